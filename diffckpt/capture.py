@@ -1,0 +1,121 @@
+"""Capture on the training thread: what each optimizer step consumed, copied and nothing more.
+
+The optimizer step post-hook sees the gradients exactly as the step used them (after clipping
+and unscaling); they are cloned there, so later mutation by training cannot reach the record.
+Encoding, compression and I/O happen in the background writer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from .errors import UnsupportedConfigurationError
+
+__all__ = ["StepCapture", "fingerprint", "group_hyperparams", "clone_tree", "tree_nbytes"]
+
+
+def clone_tree(obj: Any) -> Any:
+    """Deep-copy containers and clone tensors, so the copy is immune to later in-place updates."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: clone_tree(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [clone_tree(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(clone_tree(v) for v in obj)
+    if hasattr(obj, "copy") and type(obj).__module__ == "numpy":
+        return obj.copy()
+    return obj
+
+
+def tree_nbytes(obj: Any) -> int:
+    """Bytes held by the tensors of a tree (used to bound the writer queue)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tree_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tree_nbytes(v) for v in obj)
+    return 0
+
+
+def group_hyperparams(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """The hyperparameters of every param group (everything but the params), copied."""
+    return [{k: clone_tree(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def fingerprint(tensors: Iterable[torch.Tensor]) -> str:
+    """SHA-256 over the raw bytes of ``tensors`` in order: equal iff bitwise equal."""
+    h = hashlib.sha256()
+    for t in tensors:
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous()
+        h.update(str((t.dtype, tuple(t.shape))).encode())
+        if t.numel():
+            h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+    return h.hexdigest()
+
+
+def check_replayable(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse optimizers whose step cannot be replayed from recorded gradients."""
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise UnsupportedConfigurationError(
+            "LBFGS re-evaluates the loss inside step() through a closure, so its steps cannot be "
+            "replayed from recorded gradients; use a first-order optimizer (SGD, Adam, AdamW, ...) "
+            "or checkpoint this run with full checkpoints")
+    if getattr(optimizer, "_step_supports_amp_scaling", False) or any(
+            g.get("fused") for g in optimizer.param_groups):
+        raise UnsupportedConfigurationError(
+            f"{type(optimizer).__name__}(fused=True) consumes scaled gradients and scaler arguments "
+            "inside step(); diffckpt does not replay fused steps yet. Use foreach=True or the default")
+
+
+class StepCapture:
+    """Records, per optimizer step, the hyperparameters in force and a copy of every gradient."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        for opt in optimizers:
+            check_replayable(opt)
+        self.optimizers = list(optimizers)
+        self._events: list[dict[str, Any]] = []
+        self._paused = False
+        self._handles = [
+            opt.register_step_post_hook(self._make_hook(i)) for i, opt in enumerate(self.optimizers)
+        ]
+
+    def _make_hook(self, index: int):
+        def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            if self._paused:
+                return
+            grads = [[None if p.grad is None else p.grad.detach().clone() for p in g["params"]]
+                     for g in optimizer.param_groups]
+            self._events.append({"optimizer": index, "groups": group_hyperparams(optimizer),
+                                 "grads": grads})
+        return hook
+
+    def take(self) -> list[dict[str, Any]]:
+        """Return the steps captured since the last call."""
+        events, self._events = self._events, []
+        return events
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Ignore optimizer steps inside this block (replay, for instance)."""
+        self._paused, before = True, self._paused
+        try:
+            yield
+        finally:
+            self._paused = before
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

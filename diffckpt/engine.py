@@ -1,0 +1,171 @@
+"""The framework-free engine that adapters drive: capture, bases, flush, restore.
+
+Call order in training: :meth:`CheckpointEngine.start` once the optimizers exist, then after each
+training step :meth:`~CheckpointEngine.record_step` (and :meth:`~CheckpointEngine.write_base` when
+:meth:`~CheckpointEngine.wants_base` says so), finally :meth:`~CheckpointEngine.close`. To resume,
+:meth:`~CheckpointEngine.restore` replays onto the caller's model and optimizers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from .capture import StepCapture, clone_tree, group_hyperparams, tree_nbytes
+from .errors import DiffCkptError
+from .options import CheckpointOptions
+from .policies import IntervalPolicy, StepContext
+from .replay import ReplayResult, replay
+from .storage import Storage, open_storage
+from .store import RunStore
+from .writer import BackgroundWriter
+
+__all__ = ["CheckpointEngine"]
+
+log = logging.getLogger("diffckpt")
+
+
+class CheckpointEngine:
+    """Differential checkpointing of one model and its optimizers into one run root.
+
+    Args:
+        dirpath: local path, fsspec URL (``memory://``, ``s3://``, ...) or a :class:`Storage`.
+        options: capture, batching and base settings.
+        storage_options: passed to fsspec (credentials, endpoint, ...).
+    """
+
+    def __init__(self, dirpath: str | os.PathLike[str] | Storage, options: CheckpointOptions | None = None,
+                 storage_options: dict[str, Any] | None = None) -> None:
+        self.options = options or CheckpointOptions()
+        self.storage = open_storage(dirpath, **(storage_options or {}))
+        self.store = RunStore(self.storage)
+        self.policy = IntervalPolicy()
+        self.writer: BackgroundWriter | None = None
+        self.capture: StepCapture | None = None
+        self.module: torch.nn.Module | None = None
+        self._prev_step = 0
+        self._last_base = 0
+        self._buffer_names: list[str] = []
+
+    # ------------------------------------------------------------------ training
+    @property
+    def started(self) -> bool:
+        return self.writer is not None
+
+    def start(self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer], step: int,
+              meta: dict[str, Any] | None = None) -> int:
+        """Open a writer session continuing from ``step``; return its generation number.
+
+        The caller writes the starting base right after (``write_base(step, ...)``).
+        """
+        if self.writer is not None:
+            raise DiffCkptError("CheckpointEngine.start() called twice; close() the running session first")
+        self.capture = StepCapture(optimizers)
+        params = dict(module.named_parameters())
+        self._buffer_names = [k for k in module.state_dict() if k not in params]
+        body = {"options": {k: getattr(self.options, k) for k in self.options.__dataclass_fields__},
+                "resumed_from": step,
+                "optimizers": [f"{type(o).__module__}.{type(o).__qualname__}" for o in optimizers],
+                "parameters": {k: list(p.shape) for k, p in params.items()}, **(meta or {})}
+        gen = self.store.start_session(body)
+        self.module = module
+        self.writer = BackgroundWriter(self.store, gen, self.options, after=step)
+        self._prev_step = self._last_base = step
+        return gen
+
+    def _context(self, step: int) -> StepContext:
+        o = self.options
+        return StepContext(step, self._last_base, o.every_n_steps, o.base_every_n_steps,
+                           o.fingerprint_every_n_steps)
+
+    def wants_state(self, step: int) -> bool:
+        """Whether ``step`` is a restorable point, so the caller should pass its state."""
+        return self.policy.wants_state(self._context(step))
+
+    def wants_base(self, step: int) -> bool:
+        return self.policy.wants_base(self._context(step))
+
+    def record_step(self, step: int, state: Any | None) -> None:
+        """Record what the optimizer steps since the previous call consumed.
+
+        Args:
+            step: the step counter after these optimizer steps (strictly increasing).
+            state: framework state at this step (loops, schedulers, RNG...), or ``None`` if this
+                step is not a restorable point. Copied here; tensors are cloned.
+        """
+        writer, capture, module = self._require()
+        if step <= self._prev_step:
+            raise DiffCkptError(f"step {step} recorded after step {self._prev_step}; steps must increase")
+        events = capture.take()
+        buffers = dict(module.named_buffers())
+        record: dict[str, Any] = {
+            "step": step,
+            "prev": self._prev_step,
+            "events": events,
+            "param_groups": [group_hyperparams(o) for o in capture.optimizers],
+            "buffers": {k: buffers[k].detach().clone() for k in self._buffer_names if k in buffers},
+            "state": None if state is None else clone_tree(state),
+        }
+        if state is not None and self.policy.wants_fingerprint(self._context(step)):
+            record["fingerprint_params"] = [p.detach().clone() for p in module.parameters()]
+        nbytes = tree_nbytes(record)
+        writer.put_record(record, nbytes)
+        self._prev_step = step
+
+    def write_base(self, step: int, model_state: dict[str, Any], optimizer_states: list[dict[str, Any]],
+                   state: Any) -> None:
+        """Queue a full snapshot at ``step`` (the step's record must already be recorded)."""
+        writer, _, module = self._require()
+        tree = clone_tree({"model": model_state, "optimizers": optimizer_states, "state": state})
+        names = [n for n, _ in module.named_parameters()]
+        missing = [n for n in names if n not in tree["model"]]
+        if missing:
+            raise DiffCkptError(f"model state for the base lacks parameters {missing[:3]}")
+        writer.put_base(step, tree, [tree["model"][n] for n in names], tree_nbytes(tree))
+        self._last_base = step
+
+    def flush(self) -> int | None:
+        """Block until everything captured is durable; return the durable step."""
+        return self.writer.flush() if self.writer else None
+
+    def check(self) -> None:
+        """Raise a background error on the calling thread, if one happened."""
+        if self.writer:
+            self.writer.check()
+
+    def close(self) -> int | None:
+        """Flush, stop the writer and remove the capture hooks; return the durable step."""
+        durable = None
+        try:
+            if self.writer:
+                durable = self.writer.close()
+        finally:
+            if self.capture:
+                self.capture.remove()
+            self.writer = self.capture = None
+        return durable
+
+    def _require(self) -> tuple[BackgroundWriter, StepCapture, torch.nn.Module]:
+        if self.writer is None or self.capture is None or self.module is None:
+            raise DiffCkptError("CheckpointEngine.start() must be called before recording steps")
+        return self.writer, self.capture, self.module
+
+    # ------------------------------------------------------------------- restore
+    def restore(self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
+                step: int | None = None, verify: bool = True) -> ReplayResult:
+        """Load ``step`` (``None``: newest durable) into ``module`` and ``optimizers`` by replay."""
+        plan = self.store.plan(step)
+        ctx = self.capture.paused() if self.capture else _null()
+        with ctx:
+            return replay(self.store, plan, module, optimizers, verify=verify)
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None

@@ -1,0 +1,45 @@
+"""Exception tree of diffckpt.
+
+Every error raised on purpose by the library derives from :class:`DiffCkptError`; leaves also
+derive from the matching built-in so that generic handlers keep working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DiffCkptError",
+    "CorruptRecordError",
+    "CheckpointNotFoundError",
+    "IncompatibleCheckpointError",
+    "ReplayMismatchError",
+    "UnsupportedConfigurationError",
+    "StorageError",
+]
+
+
+class DiffCkptError(Exception):
+    """Base class of every error diffckpt raises on purpose."""
+
+
+class CorruptRecordError(DiffCkptError, ValueError):
+    """Bytes on storage do not match their checksum or cannot be decoded."""
+
+
+class CheckpointNotFoundError(DiffCkptError, FileNotFoundError):
+    """The requested run, base or step is not durable on storage."""
+
+
+class IncompatibleCheckpointError(DiffCkptError, ValueError):
+    """The checkpoint was written for a different model or optimizer than the one given."""
+
+
+class ReplayMismatchError(DiffCkptError, RuntimeError):
+    """Replayed parameters do not match the fingerprint recorded during training."""
+
+
+class UnsupportedConfigurationError(DiffCkptError, ValueError):
+    """The training configuration cannot be replayed exactly and is refused."""
+
+
+class StorageError(DiffCkptError, OSError):
+    """Storage refused a read or write (permissions, full disk, unreachable bucket)."""

@@ -1,0 +1,162 @@
+"""Byte format of everything diffckpt writes: object names, segments, bases, commit markers.
+
+``docs/format.md`` describes this file byte for byte; golden-file tests pin it. Bump
+:data:`FORMAT_VERSION` on any incompatible change.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import zstandard
+
+from .errors import CorruptRecordError
+from .tree import pack_tree, unpack_tree
+
+__all__ = [
+    "FORMAT_VERSION",
+    "SEGMENT_MAGIC",
+    "SegmentName",
+    "BaseName",
+    "encode_segment",
+    "decode_segment",
+    "encode_commit",
+    "decode_commit",
+    "sha256",
+]
+
+FORMAT_VERSION = 1
+SEGMENT_MAGIC = b"DCKSEG\x00\x01"
+_DIGEST = 32
+_SEG_RE = re.compile(r"^diffs/(\d{12})-(\d{12})\.g(\d{6})\.seg$")
+_BASE_RE = re.compile(r"^bases/(\d{12})\.g(\d{6})/COMMIT$")
+
+
+def sha256(data: bytes | memoryview) -> str:
+    """Hex SHA-256 of ``data``."""
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass(frozen=True, order=True)
+class SegmentName:
+    """``diffs/<after>-<last>.g<gen>.seg``: the step records of session ``gen`` that follow step
+    ``after`` up to and including step ``last``. The next segment of the chain has
+    ``after == last``; a base at step ``b`` continues with the segment whose ``after == b``."""
+
+    after: int
+    last: int
+    gen: int
+
+    @property
+    def path(self) -> str:
+        return f"diffs/{self.after:012d}-{self.last:012d}.g{self.gen:06d}.seg"
+
+    @classmethod
+    def parse(cls, path: str) -> SegmentName | None:
+        m = _SEG_RE.match(path)
+        return cls(int(m[1]), int(m[2]), int(m[3])) if m else None
+
+
+@dataclass(frozen=True, order=True)
+class BaseName:
+    """``bases/<step>.g<gen>/``: a full snapshot; committed once its ``COMMIT`` exists."""
+
+    step: int
+    gen: int
+
+    @property
+    def dir(self) -> str:
+        return f"bases/{self.step:012d}.g{self.gen:06d}"
+
+    @property
+    def commit_path(self) -> str:
+        return f"{self.dir}/COMMIT"
+
+    @property
+    def state_path(self) -> str:
+        return f"{self.dir}/state.safetensors"
+
+    @classmethod
+    def parse(cls, path: str) -> BaseName | None:
+        m = _BASE_RE.match(path)
+        return cls(int(m[1]), int(m[2])) if m else None
+
+
+def encode_segment(header: dict[str, Any], records: list[Any], compression: str, level: int) -> bytes:
+    """Pack step records into one segment.
+
+    Layout: magic (8) | u32 header length | header JSON | record blobs | SHA-256 of all before.
+    Each record blob is a :func:`pack_tree` buffer, zstd-compressed when asked, with its own
+    SHA-256 in the header so a reader can keep the good records before a damaged one.
+    """
+    blobs = []
+    entries = []
+    compressor = zstandard.ZstdCompressor(level=level) if compression == "zstd" else None
+    for record in records:
+        raw = pack_tree(record)
+        blob = compressor.compress(raw) if compressor else raw
+        blobs.append(blob)
+        entries.append({"step": record["step"], "length": len(blob), "raw_length": len(raw),
+                        "sha256": sha256(blob)})
+    head = dict(header, format=FORMAT_VERSION, compression=compression, records=entries)
+    head_bytes = json.dumps(head, separators=(",", ":"), sort_keys=True).encode()
+    body = b"".join([SEGMENT_MAGIC, struct.pack("<I", len(head_bytes)), head_bytes, *blobs])
+    return body + hashlib.sha256(body).digest()
+
+
+def decode_segment(data: bytes, name: str = "segment") -> tuple[dict[str, Any], list[Any], str | None]:
+    """Return ``(header, good records, problem)``.
+
+    Records are returned up to the first one whose checksum or decoding fails; ``problem`` names
+    what was wrong (``None`` for an intact segment). A damaged header raises
+    :class:`CorruptRecordError`.
+    """
+    if len(data) < len(SEGMENT_MAGIC) + 4 or data[:8] != SEGMENT_MAGIC:
+        raise CorruptRecordError(f"{name}: not a diffckpt segment (bad magic or truncated)")
+    (hlen,) = struct.unpack_from("<I", data, 8)
+    try:
+        header = json.loads(data[12 : 12 + hlen])
+        entries = header["records"]
+    except (ValueError, KeyError, TypeError):
+        raise CorruptRecordError(f"{name}: segment header is damaged or truncated") from None
+    if header.get("format") != FORMAT_VERSION:
+        raise CorruptRecordError(f"{name}: segment format {header.get('format')} is not supported")
+    problem = None
+    if len(data) < 12 + hlen + _DIGEST or hashlib.sha256(data[:-_DIGEST]).digest() != data[-_DIGEST:]:
+        problem = f"{name}: segment checksum does not match (truncated or modified)"
+    decompressor = zstandard.ZstdDecompressor() if header["compression"] == "zstd" else None
+    records: list[Any] = []
+    offset = 12 + hlen
+    for entry in entries:
+        blob = data[offset : offset + entry["length"]]
+        offset += entry["length"]
+        if len(blob) != entry["length"] or sha256(blob) != entry["sha256"]:
+            problem = f"{name}: record for step {entry['step']} fails its checksum"
+            break
+        try:
+            raw = decompressor.decompress(blob, max_output_size=entry["raw_length"]) if decompressor else blob
+            records.append(unpack_tree(raw))
+        except (CorruptRecordError, zstandard.ZstdError) as exc:
+            problem = f"{name}: record for step {entry['step']} cannot be decoded: {exc}"
+            break
+    return header, records, problem
+
+
+def encode_commit(info: dict[str, Any]) -> bytes:
+    """Serialize a base's COMMIT marker (JSON, sorted keys)."""
+    return json.dumps(dict(info, format=FORMAT_VERSION), indent=1, sort_keys=True).encode()
+
+
+def decode_commit(data: bytes, name: str) -> dict[str, Any]:
+    """Parse a COMMIT marker, raising :class:`CorruptRecordError` if it is damaged."""
+    try:
+        info = json.loads(data)
+        assert isinstance(info, dict) and info["format"] == FORMAT_VERSION and "files" in info
+    except (ValueError, KeyError, AssertionError):
+        raise CorruptRecordError(f"{name}: COMMIT marker is damaged or of an unknown format") from None
+    return info

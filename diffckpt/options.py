@@ -1,0 +1,46 @@
+"""User-facing settings of the checkpoint engine, grouped by concern."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["CheckpointOptions"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointOptions:
+    """How often to capture, batch, base and verify.
+
+    Attributes:
+        every_n_steps: a restorable point every this many optimizer steps. Gradients are recorded
+            at every step regardless, since replay needs all of them.
+        write_batch: consecutive step records written to storage as one segment.
+        base_every_n_steps: a full base every this many steps (and once when training starts);
+            ``None`` writes only the starting base.
+        fingerprint_every_n_steps: record a hash of the parameters every this many steps (and at
+            every base); replay checks it. ``None`` fingerprints bases only.
+        max_pending_bytes: memory the queue to the background writer may hold; when full, the
+            training thread waits (and warns) rather than dropping anything.
+        compression: ``"zstd"`` or ``"none"`` for step records.
+        compression_level: zstd level (1 is fast and keeps up with training on few cores).
+    """
+
+    every_n_steps: int = 1
+    write_batch: int = 8
+    base_every_n_steps: int | None = 500
+    fingerprint_every_n_steps: int | None = 50
+    max_pending_bytes: int = 1 << 30
+    compression: str = "zstd"
+    compression_level: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("every_n_steps", "write_batch", "max_pending_bytes", "compression_level"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("base_every_n_steps", "fingerprint_every_n_steps"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if self.compression not in ("zstd", "none"):
+            raise ValueError(f"compression must be 'zstd' or 'none', got {self.compression!r}")

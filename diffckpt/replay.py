@@ -1,0 +1,146 @@
+"""Rebuild a step: load a base, then replay the recorded optimizer steps on it.
+
+Replay uses the caller's model and optimizers (same classes and implementation flags as in
+training, same device type), sets each param group's hyperparameters as recorded, installs the
+recorded gradients and calls ``step()``. Fingerprints recorded in training are checked on the
+way; a mismatch raises instead of returning a wrong state.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace as _replace
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .capture import fingerprint
+from .errors import CheckpointNotFoundError, CorruptRecordError, IncompatibleCheckpointError, ReplayMismatchError
+from .store import RestorePlan, RunStore
+
+__all__ = ["ReplayResult", "replay", "load_into"]
+
+log = logging.getLogger("diffckpt")
+
+
+@dataclass
+class ReplayResult:
+    """Where replay ended and the framework state recorded at that step."""
+
+    step: int
+    state: Any
+    replayed: int
+    base_step: int
+    problems: list[str] = field(default_factory=list)
+
+
+def load_into(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer], base: dict[str, Any],
+              where: str) -> None:
+    """Load a base's model and optimizer states, turning mismatches into clear errors."""
+    try:
+        module.load_state_dict(base["model"], strict=True)
+    except RuntimeError as exc:
+        raise IncompatibleCheckpointError(
+            f"{where} was written for a different model: {exc}. Restore it with the model "
+            "definition it was trained with, or start a new run directory") from None
+    if len(optimizers) != len(base["optimizers"]):
+        raise IncompatibleCheckpointError(
+            f"{where} holds {len(base['optimizers'])} optimizer(s) but {len(optimizers)} were given; "
+            "configure the same optimizers as in training")
+    for i, (opt, state) in enumerate(zip(optimizers, base["optimizers"])):
+        try:
+            opt.load_state_dict(state)
+        except (ValueError, KeyError, RuntimeError) as exc:
+            raise IncompatibleCheckpointError(
+                f"{where}: optimizer {i} ({type(opt).__name__}) does not match the checkpoint: {exc}. "
+                "Configure the same optimizer and param groups as in training") from None
+
+
+def _apply_event(event: dict[str, Any], optimizers: list[torch.optim.Optimizer], step: int) -> None:
+    index = event["optimizer"]
+    if index >= len(optimizers):
+        raise IncompatibleCheckpointError(
+            f"step {step} used optimizer {index} but only {len(optimizers)} are configured")
+    opt = optimizers[index]
+    if len(event["groups"]) != len(opt.param_groups):
+        raise IncompatibleCheckpointError(
+            f"step {step}: optimizer {index} had {len(event['groups'])} param groups in training, "
+            f"{len(opt.param_groups)} now; configure the same param groups")
+    for group, hyper, grads in zip(opt.param_groups, event["groups"], event["grads"]):
+        if len(grads) != len(group["params"]):
+            raise IncompatibleCheckpointError(
+                f"step {step}: a param group of optimizer {index} had {len(grads)} parameters in "
+                f"training, {len(group['params'])} now; the model or optimizer differs")
+        group.update(hyper)
+        for p, g in zip(group["params"], grads):
+            if g is not None and g.shape != p.shape:
+                raise IncompatibleCheckpointError(
+                    f"step {step}: gradient of shape {tuple(g.shape)} for a parameter of shape "
+                    f"{tuple(p.shape)}; the model differs from the one trained")
+            p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype)
+    opt.step()
+
+
+def replay(store: RunStore, plan: RestorePlan, module: torch.nn.Module,
+           optimizers: list[torch.optim.Optimizer], verify: bool = True) -> ReplayResult:
+    """Restore ``module`` and ``optimizers`` to ``plan.target`` (or the newest good step before it).
+
+    For a plan made for the newest step (``plan.latest``), damage after the base stops replay at
+    the newest intact restorable step with a warning. For an explicit step, damage raises.
+    """
+    where = f"{store.storage.url} base {plan.base.step}"
+    info, base = store.load_base(plan.base)
+    load_into(module, optimizers, base, where)
+    params = [p for _, p in module.named_parameters()]
+    if verify and info.get("fingerprint") and fingerprint(params) != info["fingerprint"]:
+        raise ReplayMismatchError(
+            f"{where}: loaded parameters do not match the fingerprint of step {plan.base.step}; the "
+            "model registers its parameters in a different order than in training")
+    buffers = dict(module.named_buffers())
+    result = ReplayResult(step=plan.base.step, state=base["state"], replayed=0, base_step=plan.base.step)
+    last_applied = plan.base.step
+    with torch.no_grad():
+        for record, problem in store.read_records(plan):
+            if problem is not None:
+                result.problems.append(problem)
+                break
+            step = record["step"]
+            for event in record["events"]:
+                with torch.enable_grad():
+                    _apply_event(event, optimizers, step)
+            for opt, groups in zip(optimizers, record["param_groups"]):
+                for group, hyper in zip(opt.param_groups, groups):
+                    group.update(hyper)
+            for name, value in (record.get("buffers") or {}).items():
+                if name not in buffers:
+                    raise IncompatibleCheckpointError(
+                        f"step {step} recorded buffer {name!r} that the model does not have")
+                buffers[name].copy_(value)
+            if verify and record.get("fingerprint") and fingerprint(params) != record["fingerprint"]:
+                raise ReplayMismatchError(
+                    f"replayed parameters at step {step} do not match the fingerprint recorded in "
+                    "training; replay must use the same optimizer class, implementation "
+                    "(foreach/fused) and device type as training")
+            last_applied = step
+            result.replayed += 1
+            if record.get("state") is not None:
+                result.step, result.state = step, record["state"]
+    for p in params:
+        p.grad = None
+    if result.problems:
+        if not plan.latest:
+            raise CorruptRecordError(
+                f"cannot rebuild step {plan.target}: {result.problems[0]}. Restore an earlier step "
+                f"(newest intact: {result.step})")
+        warnings.warn(f"diffckpt: {result.problems[0]}; restoring step {result.step}, the newest "
+                      "intact step before it", stacklevel=2)
+    if last_applied != result.step:
+        # Replay went past the last restorable point (damage after stateless records): redo it.
+        return replay(store, _replace(plan, target=result.step, latest=False), module, optimizers, verify)
+    if not plan.latest and result.step != plan.target:
+        raise CheckpointNotFoundError(
+            f"step {plan.target} is not a restorable step under {store.storage.url} (restorable "
+            f"steps are those recorded with every_n_steps); nearest below: {result.step}")
+    return result

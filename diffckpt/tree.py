@@ -1,0 +1,153 @@
+"""Pickle-free serialization of nested training state.
+
+A *tree* is any nesting of dict, list, tuple, str, int, float, bool, None, bytes, torch tensors,
+numpy arrays and scalars, torch dtypes and devices. :func:`pack_tree` turns it into one
+safetensors buffer whose metadata holds the structure as JSON; :func:`unpack_tree` inverts it.
+Nothing on the load path executes code from the file. The JSON encoding is specified in
+``docs/format.md``.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import struct
+from typing import Any
+
+import numpy as np
+import safetensors.torch
+import torch
+
+from .errors import CorruptRecordError, UnsupportedConfigurationError
+
+__all__ = ["pack_tree", "unpack_tree", "encode_tree", "decode_tree", "read_metadata"]
+
+_META_KEY = "diffckpt.tree"
+
+
+def encode_tree(obj: Any, tensors: dict[str, torch.Tensor], path: str = "$") -> Any:
+    """Return a JSON-able form of ``obj``; tensors are moved into ``tensors`` by name."""
+    if obj is None or isinstance(obj, (bool, str)):
+        return obj
+    if isinstance(obj, int):
+        return obj
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else {"float": repr(obj)}
+    if isinstance(obj, torch.Tensor):
+        return {"tensor": _add_tensor(obj, tensors, path)}
+    if isinstance(obj, np.ndarray):
+        return {"ndarray": _add_tensor(torch.from_numpy(obj.copy()), tensors, path)}
+    if isinstance(obj, np.generic):
+        return {"npscalar": obj.dtype.str, "value": encode_tree(obj.item(), tensors, path)}
+    if isinstance(obj, dict):
+        items = [[encode_tree(k, tensors, f"{path}.key"), encode_tree(v, tensors, f"{path}[{k!r}]")]
+                 for k, v in obj.items()]
+        return {"dict": items}
+    if isinstance(obj, list):
+        return [encode_tree(v, tensors, f"{path}[{i}]") for i, v in enumerate(obj)]
+    if isinstance(obj, tuple):  # torch.Size is a tuple and comes back as one
+        return {"tuple": [encode_tree(v, tensors, f"{path}[{i}]") for i, v in enumerate(obj)]}
+    if isinstance(obj, bytes):
+        return {"bytes": base64.b64encode(obj).decode("ascii")}
+    if isinstance(obj, torch.dtype):
+        return {"dtype": str(obj).removeprefix("torch.")}
+    if isinstance(obj, torch.device):
+        return {"device": str(obj)}
+    raise UnsupportedConfigurationError(
+        f"cannot store {type(obj).__qualname__} at {path} without pickle; keep checkpoint state to "
+        "dicts, lists, numbers, strings and tensors (convert it in state_dict/on_save_checkpoint)"
+    )
+
+
+def _add_tensor(t: torch.Tensor, tensors: dict[str, torch.Tensor], path: str) -> str:
+    if t.layout != torch.strided:
+        raise UnsupportedConfigurationError(f"sparse tensor at {path} is not supported")
+    name = str(len(tensors))
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    # safetensors refuses views and shared storage: give each entry storage of its own.
+    if not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = t.contiguous().clone()
+    tensors[name] = t
+    return name
+
+
+def decode_tree(node: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """Invert :func:`encode_tree`."""
+    if node is None or isinstance(node, (bool, str, int, float)):
+        return node
+    if isinstance(node, list):
+        return [decode_tree(v, tensors) for v in node]
+    if not isinstance(node, dict) or len(node) not in (1, 2):
+        raise CorruptRecordError(f"unexpected node in state tree: {str(node)[:80]}")
+    (tag, value), *rest = node.items()
+    if tag == "dict":
+        return {_hashable(decode_tree(k, tensors)): decode_tree(v, tensors) for k, v in value}
+    if tag == "tuple":
+        return tuple(decode_tree(v, tensors) for v in value)
+    if tag == "tensor":
+        return _tensor(tensors, value)
+    if tag == "ndarray":
+        return _tensor(tensors, value).numpy()
+    if tag == "npscalar":
+        return np.dtype(value).type(decode_tree(rest[0][1], tensors))
+    if tag == "float":
+        return float(value)
+    if tag == "bytes":
+        return base64.b64decode(value)
+    if tag == "dtype":
+        dtype = getattr(torch, value, None)
+        if not isinstance(dtype, torch.dtype):
+            raise CorruptRecordError(f"unknown dtype {value!r} in state tree")
+        return dtype
+    if tag == "device":
+        return torch.device(value)
+    raise CorruptRecordError(f"unknown tag {tag!r} in state tree")
+
+
+def _hashable(key: Any) -> Any:
+    return tuple(key) if isinstance(key, list) else key
+
+
+def _tensor(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    try:
+        return tensors[name]
+    except KeyError:
+        raise CorruptRecordError(f"state tree refers to missing tensor {name!r}") from None
+
+
+def pack_tree(obj: Any) -> bytes:
+    """Serialize a tree to one safetensors buffer (structure in its metadata)."""
+    tensors: dict[str, torch.Tensor] = {}
+    structure = encode_tree(obj, tensors)
+    meta = json.dumps(structure, separators=(",", ":"), allow_nan=False)
+    return safetensors.torch.save(tensors, metadata={_META_KEY: meta})
+
+
+def read_metadata(buf: bytes) -> dict[str, str]:
+    """Return the metadata of a safetensors buffer without touching its tensors."""
+    if len(buf) < 8:
+        raise CorruptRecordError("safetensors buffer is truncated (shorter than its header size)")
+    (size,) = struct.unpack_from("<Q", buf, 0)
+    if size > len(buf) - 8:
+        raise CorruptRecordError("safetensors header runs past the end of the buffer (truncated)")
+    try:
+        header = json.loads(buf[8 : 8 + size])
+    except ValueError as exc:
+        raise CorruptRecordError(f"safetensors header is not valid JSON: {exc}") from None
+    return header.get("__metadata__") or {}
+
+
+def unpack_tree(buf: bytes) -> Any:
+    """Deserialize a buffer written by :func:`pack_tree`."""
+    meta = read_metadata(buf)
+    if _META_KEY not in meta:
+        raise CorruptRecordError("buffer has no diffckpt state tree in its metadata")
+    try:
+        tensors = safetensors.torch.load(buf)
+        structure = json.loads(meta[_META_KEY])
+    except (ValueError, RuntimeError) as exc:
+        raise CorruptRecordError(f"cannot decode state buffer: {exc}") from None
+    return decode_tree(structure, tensors)
