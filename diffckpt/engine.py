@@ -66,7 +66,10 @@ class CheckpointEngine:
         self.capture = StepCapture(optimizers)
         params = dict(module.named_parameters())
         self._buffer_names = [k for k in module.state_dict() if k not in params]
+        names = {id(p): n for n, p in params.items()}
         body = {"options": {k: getattr(self.options, k) for k in self.options.__dataclass_fields__},
+                "optimizer_params": [[[names.get(id(p), "") for p in g["params"]] for g in o.param_groups]
+                                     for o in optimizers],
                 "resumed_from": step,
                 "optimizers": [f"{type(o).__module__}.{type(o).__qualname__}" for o in optimizers],
                 "parameters": {k: list(p.shape) for k, p in params.items()}, **(meta or {})}

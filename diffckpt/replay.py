@@ -20,7 +20,7 @@ from .capture import fingerprint
 from .errors import CheckpointNotFoundError, CorruptRecordError, IncompatibleCheckpointError, ReplayMismatchError
 from .store import RestorePlan, RunStore
 
-__all__ = ["ReplayResult", "replay", "load_into"]
+__all__ = ["ReplayResult", "ReplayTarget", "replay", "load_into"]
 
 log = logging.getLogger("diffckpt")
 
@@ -36,11 +36,26 @@ class ReplayResult:
     problems: list[str] = field(default_factory=list)
 
 
-def load_into(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer], base: dict[str, Any],
+@dataclass
+class ReplayTarget:
+    """The tensors replay writes into: parameters in training's ``named_parameters`` order (the
+    fingerprint order), buffers by name, and how to load a model state dict into them."""
+
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    load: Any  # Callable[[dict[str, Tensor]], None]
+
+    @classmethod
+    def from_module(cls, module: torch.nn.Module) -> ReplayTarget:
+        return cls(dict(module.named_parameters()), dict(module.named_buffers()),
+                   lambda sd: module.load_state_dict(sd, strict=True))
+
+
+def load_into(target: ReplayTarget, optimizers: list[torch.optim.Optimizer], base: dict[str, Any],
               where: str) -> None:
     """Load a base's model and optimizer states, turning mismatches into clear errors."""
     try:
-        module.load_state_dict(base["model"], strict=True)
+        target.load(base["model"])
     except RuntimeError as exc:
         raise IncompatibleCheckpointError(
             f"{where} was written for a different model: {exc}. Restore it with the model "
@@ -83,22 +98,24 @@ def _apply_event(event: dict[str, Any], optimizers: list[torch.optim.Optimizer],
     opt.step()
 
 
-def replay(store: RunStore, plan: RestorePlan, module: torch.nn.Module,
+def replay(store: RunStore, plan: RestorePlan, target: ReplayTarget | torch.nn.Module,
            optimizers: list[torch.optim.Optimizer], verify: bool = True) -> ReplayResult:
-    """Restore ``module`` and ``optimizers`` to ``plan.target`` (or the newest good step before it).
+    """Restore ``target`` and ``optimizers`` to ``plan.target`` (or the newest good step before it).
 
     For a plan made for the newest step (``plan.latest``), damage after the base stops replay at
     the newest intact restorable step with a warning. For an explicit step, damage raises.
     """
     where = f"{store.storage.url} base {plan.base.step}"
+    if isinstance(target, torch.nn.Module):
+        target = ReplayTarget.from_module(target)
     info, base = store.load_base(plan.base)
-    load_into(module, optimizers, base, where)
-    params = [p for _, p in module.named_parameters()]
+    load_into(target, optimizers, base, where)
+    params = list(target.params.values())
     if verify and info.get("fingerprint") and fingerprint(params) != info["fingerprint"]:
         raise ReplayMismatchError(
             f"{where}: loaded parameters do not match the fingerprint of step {plan.base.step}; the "
             "model registers its parameters in a different order than in training")
-    buffers = dict(module.named_buffers())
+    buffers = target.buffers
     result = ReplayResult(step=plan.base.step, state=base["state"], replayed=0, base_step=plan.base.step)
     last_applied = plan.base.step
     with torch.no_grad():
@@ -138,7 +155,7 @@ def replay(store: RunStore, plan: RestorePlan, module: torch.nn.Module,
                       "intact step before it", stacklevel=2)
     if last_applied != result.step:
         # Replay went past the last restorable point (damage after stateless records): redo it.
-        return replay(store, _replace(plan, target=result.step, latest=False), module, optimizers, verify)
+        return replay(store, _replace(plan, target=result.step, latest=False), target, optimizers, verify)
     if not plan.latest and result.step != plan.target:
         raise CheckpointNotFoundError(
             f"step {plan.target} is not a restorable step under {store.storage.url} (restorable "

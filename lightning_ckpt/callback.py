@@ -1,0 +1,220 @@
+"""``DiffCheckpoint``: the Lightning callback that captures a diff at every optimizer step.
+
+It is a ``ModelCheckpoint`` only so that ``Trainer.fit(ckpt_path="last")`` finds it (Lightning
+asks ModelCheckpoint-type callbacks for the last checkpoint); none of ModelCheckpoint's saving
+runs. Everything it does is translate Lightning events into :class:`diffckpt.CheckpointEngine`
+calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+from diffckpt.engine import CheckpointEngine
+from diffckpt.errors import DiffCkptError, UnsupportedConfigurationError
+from diffckpt.options import CheckpointOptions
+from diffckpt.rng import get_rng_state, set_rng_state
+from diffckpt.store import RUN_FILE
+
+from .references import write_reference
+
+__all__ = ["DiffCheckpoint"]
+
+log = logging.getLogger("diffckpt")
+
+
+class DiffCheckpoint(ModelCheckpoint):
+    """Differential checkpoints for a Lightning ``Trainer``.
+
+    Args:
+        dirpath: run root: a local path or any fsspec URL (``memory://``, ``s3://``...).
+        every_n_steps: a restorable point every this many optimizer steps.
+        write_batch: consecutive step records per segment (one write each).
+        base_every_n_steps: a full base every this many steps, plus one when training starts.
+        storage_options: fsspec options (credentials, endpoint).
+        **options: further :class:`diffckpt.CheckpointOptions` fields
+            (``fingerprint_every_n_steps``, ``max_pending_bytes``, ``compression``...).
+
+    Use with ``plugins=[DiffCheckpointIO()]`` and resume with ``Trainer.fit(ckpt_path="last")``.
+    """
+
+    def __init__(self, dirpath: str | os.PathLike[str], *, every_n_steps: int = 1, write_batch: int = 8,
+                 base_every_n_steps: int | None = 500, storage_options: dict[str, Any] | None = None,
+                 **options: Any) -> None:
+        super().__init__(dirpath=None, save_top_k=0, save_last=False)
+        self.options = CheckpointOptions(every_n_steps=every_n_steps, write_batch=write_batch,
+                                         base_every_n_steps=base_every_n_steps, **options)
+        self.url = os.fspath(dirpath)
+        self.storage_options = dict(storage_options or {})
+        self.engine = CheckpointEngine(self.url, self.options, self.storage_options)
+        self.dirpath = self.url
+        self.durable_step: int | None = None
+        self._trainer: pl.Trainer | None = None
+        self._last_recorded = -1
+        self._pending_rng: dict[str, Any] | None = None
+        self._restored: tuple[int, Any] | None = None
+
+    # ---------------------------------------------------------------- identity
+    @property
+    def state_key(self) -> str:
+        return f"DiffCheckpoint{{'dirpath': {self.url!r}}}"
+
+    @property
+    def is_writer(self) -> bool:
+        return self._trainer is not None and self._trainer.is_global_zero
+
+    def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
+        # Lightning resolves ckpt_path="last" through this; run.json is rewritten at every session
+        # start, and DiffCheckpointIO resolves it to the newest durable step.
+        return {self._run_file()} if self.engine.store.is_run() else set()
+
+    def _run_file(self) -> str:
+        return self.url.rstrip("/") + "/" + RUN_FILE
+
+    # ------------------------------------------------------------------- setup
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        from .checkpoint_io import DiffCheckpointIO
+
+        self._trainer = trainer
+        strategy = trainer.strategy
+        if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) or type(strategy).__name__ in (
+                "FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy"):
+            raise UnsupportedConfigurationError(
+                f"DiffCheckpoint does not support {type(strategy).__name__}: sharded parameters and "
+                "optimizer states cannot be replayed from one rank's diffs yet. Use a single device "
+                "or strategy='ddp', or use Lightning's ModelCheckpoint for this run")
+        if isinstance(strategy.checkpoint_io, DiffCheckpointIO):
+            strategy.checkpoint_io.attach(self)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        step = trainer.global_step
+        self._last_recorded = step
+        if not self.is_writer:
+            return
+        optimizers = list(trainer.optimizers)
+        self.engine.start(pl_module, optimizers, step, meta={
+            "framework": f"lightning {pl.__version__}", "torch": torch.__version__,
+            "strategy": type(trainer.strategy).__name__, "world_size": trainer.world_size})
+        if self._restored is not None and self._restored[0] == step:
+            state = self._restored[1]
+        else:
+            state = self._small_state(trainer)
+        self.engine.write_base(step, pl_module.state_dict(), [o.state_dict() for o in optimizers], state)
+        self._restored = None
+
+    # ------------------------------------------------------------------ capture
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self._pending_rng is not None:
+            set_rng_state(self._pending_rng)
+            self._pending_rng = None
+        self.engine.check()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        self.record(trainer)
+
+    def record(self, trainer: pl.Trainer, force_state: bool = False) -> None:
+        """Record the optimizer steps taken since the last record (once per global step)."""
+        step = trainer.global_step
+        if step == self._last_recorded or not self.is_writer:
+            self._last_recorded = step
+            return
+        engine = self.engine
+        wants_state = force_state or engine.wants_state(step)
+        state = self._small_state(trainer) if wants_state else None
+        engine.record_step(step, state)
+        self._last_recorded = step
+        if engine.wants_base(step):
+            module = trainer.lightning_module
+            engine.write_base(step, module.state_dict(), [o.state_dict() for o in trainer.optimizers], state)
+
+    @staticmethod
+    def _small_state(trainer: pl.Trainer) -> dict[str, Any]:
+        """Lightning's own checkpoint dict without the tensors that replay rebuilds."""
+        ckpt = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        ckpt.pop("state_dict", None)
+        ckpt.pop("optimizer_states", None)
+        return ckpt
+
+    # -------------------------------------------------------------- callback state
+    def state_dict(self) -> dict[str, Any]:
+        rng = self._pending_rng if self._pending_rng is not None else get_rng_state()
+        return {"rng": rng, "dirpath": self.url}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Applied right before the next training batch, the point where it was captured.
+        self._pending_rng = state_dict.get("rng")
+
+    # --------------------------------------------------------------- no ModelCheckpoint saving
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.engine.check()
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        return None
+
+    # ---------------------------------------------------------------- shutdown
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._close(reason=f"{type(exception).__name__}")
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._close(reason="end of training")
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._close(reason="teardown")
+
+    def _close(self, reason: str) -> None:
+        if not self.engine.started:
+            return
+        durable = self.engine.close()
+        self.durable_step = durable
+        log.info("diffckpt: %s; durable up to step %s in %s", reason, durable, self.url)
+
+    # ---------------------------------------------------------------- restore
+    def restore_checkpoint(self, url: str, step: int | None) -> dict[str, Any]:
+        """Rebuild the Lightning checkpoint dict of ``step`` (newest durable if ``None``)."""
+        trainer = self._require_trainer()
+        module = trainer.lightning_module
+        engine = self.engine if url.rstrip("/") == self.url.rstrip("/") else CheckpointEngine(
+            url, storage_options=self.storage_options)
+        optimizers = _init_optimizers_and_lr_schedulers(module)[0]
+        result = engine.restore(module, optimizers, step)
+        ckpt = dict(result.state)
+        ckpt["state_dict"] = module.state_dict()
+        ckpt["optimizer_states"] = [o.state_dict() for o in optimizers]
+        self._restored = (result.step, result.state)
+        log.info("diffckpt: restored step %d from %s (base %d + %d replayed steps)", result.step, url,
+                 result.base_step, result.replayed)
+        return ckpt
+
+    def save_reference(self, step: int, path: str) -> None:
+        """Back a checkpoint that Lightning saves through DiffCheckpointIO with a reference."""
+        trainer = self._require_trainer()
+        if not self.is_writer:
+            return
+        if step == trainer.global_step and step != self._last_recorded:
+            self.record(trainer, force_state=True)
+        if not self.engine.started:
+            raise DiffCkptError(f"cannot save {path}: DiffCheckpoint has not started capturing yet")
+        url = self.url
+        self.engine.writer.call(lambda: write_reference(path, url, step, self.storage_options))
+
+    def remove_reference(self, path: str, remove: Any) -> None:
+        """Remove a reference after everything queued before it (removals never overtake saves)."""
+        if self.engine.started:
+            self.engine.writer.call(remove)
+        else:
+            remove()
+
+    def _require_trainer(self) -> pl.Trainer:
+        if self._trainer is None:
+            raise DiffCkptError("DiffCheckpoint is not attached to a Trainer yet")
+        return self._trainer

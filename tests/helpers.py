@@ -1,0 +1,67 @@
+"""Shared test helpers: run training subprocesses, kill them for real, compare states bitwise."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from typing import Any
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def subprocess_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), env.get("PYTHONPATH", "")])
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def run_script(script: str, args: list[str], kill_at_step: int | None = None, timeout: float = 300,
+               prefix: list[str] | None = None) -> tuple[int, str]:
+    """Run a training script; with ``kill_at_step``, SIGKILL it once it prints ``STEP <n>``."""
+    cmd = (prefix or [sys.executable]) + [os.path.join(ROOT, script), *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=subprocess_env(), start_new_session=True)
+    lines = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        if kill_at_step is not None and line.strip() == f"STEP {kill_at_step}":
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+    proc.stdout.close()
+    rc = proc.wait(timeout=timeout)
+    return rc, "".join(lines)
+
+
+def assert_bitwise_equal(a: Any, b: Any, path: str = "$") -> None:
+    """Recursively compare two states; tensors with ``torch.equal`` (dtype and shape included)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), f"{path}: tensor vs {type(b).__name__}"
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        assert torch.equal(a, b), f"{path}: tensors differ (max abs diff {(a.double() - b.double()).abs().max().item()})"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), f"{path}: keys {sorted(map(str, a))} vs {sorted(map(str, b)) if isinstance(b, dict) else b}"
+        for k in a:
+            assert_bitwise_equal(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), f"{path}: lengths differ"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_bitwise_equal(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def count_tensors(state: Any) -> int:
+    if isinstance(state, torch.Tensor):
+        return 1
+    if isinstance(state, dict):
+        return sum(count_tensors(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(count_tensors(v) for v in state)
+    return 0

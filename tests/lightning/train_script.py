@@ -1,0 +1,166 @@
+"""A small but complete Lightning training run, configurable for the exactness tests.
+
+Run as a subprocess: ``python train_script.py CONFIG OUT [--dirpath D] [--resume] [--no-lib]``.
+It prints ``STEP n`` after every optimizer step (the parent kills it with SIGKILL on a chosen
+step) and, when training ends, saves every tensor of the final model, optimizer, scheduler and
+RNG state to ``OUT`` for a bitwise comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import sys
+
+import lightning as L
+import numpy as np
+import torch
+from torch import nn
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+VOCAB, CTX = 61, 16
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, dim: int = 32, layers: int = 2, dropout: float = 0.1, batchnorm: bool = False):
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, dim)
+        self.pos = nn.Parameter(torch.randn(CTX, dim) * 0.02)
+        layer = nn.TransformerEncoderLayer(dim, 4, dim * 2, dropout=dropout, batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.BatchNorm1d(dim) if batchnorm else nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, VOCAB)
+        self.register_buffer("mask", torch.triu(torch.full((CTX, CTX), float("-inf")), 1), persistent=False)
+
+    def forward(self, x):
+        h = self.tok(x) + self.pos[: x.shape[1]]
+        h = self.blocks(h, mask=self.mask[: x.shape[1], : x.shape[1]], is_causal=True)
+        if isinstance(self.norm, nn.BatchNorm1d):
+            h = self.norm(h.transpose(1, 2)).transpose(1, 2)
+        else:
+            h = self.norm(h)
+        return self.head(h)
+
+
+def make_data(n: int = 96, seed: int = 1234) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (n, CTX + 1), generator=g)
+
+
+class LM(L.LightningModule):
+    def __init__(self, cfg: str, total_steps: int):
+        super().__init__()
+        self.cfg = cfg
+        self.total_steps = total_steps
+        self.net = TinyGPT(batchnorm=cfg == "sgd_bn")
+        self.save_hyperparameters()
+        if cfg == "manual2":
+            self.automatic_optimization = False
+            self.head2 = nn.Linear(32, VOCAB)
+
+    def loss(self, batch):
+        x, y = batch[:, :-1], batch[:, 1:]
+        logits = self.net(x)
+        return nn.functional.cross_entropy(logits.reshape(-1, VOCAB).float(), y.reshape(-1))
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        if self.cfg == "scaler_skip" and self.global_step in (5, 11):
+            loss = loss * float("inf")  # GradScaler finds inf gradients and skips this step
+        if self.cfg != "manual2":
+            return loss
+        opt1, opt2 = self.optimizers()
+        opt1.zero_grad()
+        self.manual_backward(loss)
+        opt1.step()
+        h = self.net.tok(batch[:, :-1]).detach()
+        loss2 = nn.functional.cross_entropy(self.head2(h).reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+        opt2.zero_grad()
+        self.manual_backward(loss2 + 0.0 * torch.rand(()))
+        opt2.step()
+        return None
+
+    def configure_optimizers(self):
+        if self.cfg == "sgd_bn":
+            opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "epoch"}}
+        if self.cfg == "manual2":
+            return [torch.optim.AdamW(self.net.parameters(), lr=3e-3),
+                    torch.optim.SGD(self.head2.parameters(), lr=0.1, momentum=0.5)]
+        opt = torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.05)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=5e-3, total_steps=self.total_steps + 5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class StepPrinter(L.Callback):
+    def on_train_batch_end(self, trainer, *args):
+        print(f"STEP {trainer.global_step}", flush=True)
+
+
+CONFIGS = {
+    # name: (trainer kwargs, steps)
+    "adamw": ({"precision": "32-true", "gradient_clip_val": 0.5, "accumulate_grad_batches": 2}, 30),
+    "adamw_bf16": ({"precision": "bf16-mixed", "gradient_clip_val": 0.5, "accumulate_grad_batches": 2}, 24),
+    "sgd_bn": ({"precision": "32-true"}, 30),
+    "manual2": ({"precision": "32-true"}, 40),
+    # Lightning maps "16-mixed" to bf16 on CPU; the plugin forces fp16 autocast with a GradScaler.
+    "scaler_skip": ({"gradient_clip_val": 1.0}, 20),
+}
+
+
+def final_state(trainer: L.Trainer) -> dict:
+    module = trainer.lightning_module
+    return {
+        "model": {k: v.clone() for k, v in module.state_dict().items()},
+        "optimizers": [o.state_dict() for o in trainer.optimizers],
+        "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
+        "global_step": trainer.global_step,
+        "rng": torch.get_rng_state(),
+        "np_rng": torch.from_numpy(np.random.get_state()[1].copy()),
+        "py_rng": torch.tensor(random.getstate()[1]),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("config", choices=sorted(CONFIGS))
+    ap.add_argument("out")
+    ap.add_argument("--dirpath")
+    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--ckpt-path")
+    ap.add_argument("--no-lib", action="store_true")
+    ap.add_argument("--write-batch", type=int, default=4)
+    ap.add_argument("--base-every", type=int, default=10)
+    ap.add_argument("--batch-size", type=int, default=8)
+    args = ap.parse_args(argv)
+
+    kwargs, steps = CONFIGS[args.config]
+    L.seed_everything(7, verbose=False)
+    torch.use_deterministic_algorithms(True)
+    model = LM(args.config, steps)
+    loader = StatefulDataLoader(make_data(), batch_size=args.batch_size, shuffle=True)
+    callbacks: list = [StepPrinter()]
+    plugins: list = []
+    if args.config == "scaler_skip":
+        from lightning.pytorch.plugins import MixedPrecision
+
+        plugins.append(MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu")))
+    if not args.no_lib:
+        from lightning_ckpt import DiffCheckpoint, DiffCheckpointIO
+
+        callbacks.append(DiffCheckpoint(args.dirpath, write_batch=args.write_batch,
+                                        base_every_n_steps=args.base_every, fingerprint_every_n_steps=5))
+        plugins.append(DiffCheckpointIO())
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=not args.no_lib, num_sanity_val_steps=0,
+                        callbacks=callbacks, plugins=plugins, deterministic=True, **kwargs)
+    ckpt = args.ckpt_path or ("last" if args.resume else None)
+    trainer.fit(model, train_dataloaders=loader, ckpt_path=ckpt)
+    torch.save(final_state(trainer), args.out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
