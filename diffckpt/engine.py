@@ -72,7 +72,7 @@ class CheckpointEngine:
                                      for o in optimizers],
                 "resumed_from": step,
                 "optimizers": [f"{type(o).__module__}.{type(o).__qualname__}" for o in optimizers],
-                "parameters": {k: list(p.shape) for k, p in params.items()}, **(meta or {})}
+                "parameters": [[k, list(p.shape)] for k, p in params.items()], **(meta or {})}
         gen = self.store.start_session(body)
         self.module = module
         self.writer = BackgroundWriter(self.store, gen, self.options, after=step)

@@ -1,0 +1,69 @@
+"""Rebuild any durable step without the training code: for the CLI, exports and plain PyTorch.
+
+The optimizer is reconstructed from what the run recorded (class name, param groups with their
+implementation flags, parameter names), so no model class is needed. Only optimizer classes from
+modules named in ``allow_modules`` are imported (``torch.`` by default), never code from the run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any
+
+import torch
+
+from .errors import UnsupportedConfigurationError
+from .replay import ReplayResult, ReplayTarget, replay
+from .storage import Storage, open_storage
+from .store import RunStore
+
+__all__ = ["load_state"]
+
+
+def _optimizer_class(qualname: str, allow_modules: tuple[str, ...]) -> type[torch.optim.Optimizer]:
+    module_name, _, cls_name = qualname.rpartition(".")
+    if not any(module_name == m.rstrip(".") or module_name.startswith(m) for m in allow_modules):
+        raise UnsupportedConfigurationError(
+            f"the run used optimizer {qualname}; importing it needs trust: pass "
+            f"allow_modules=('{module_name}',) (CLI: --allow-module {module_name})")
+    cls = getattr(importlib.import_module(module_name), cls_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise UnsupportedConfigurationError(f"{qualname} is not a torch optimizer class")
+    return cls
+
+
+def load_state(url: str | os.PathLike[str] | Storage, step: int | None = None, *, device: str = "cpu",
+               storage_options: dict[str, Any] | None = None, verify: bool = True,
+               allow_modules: tuple[str, ...] = ("torch.",)) -> dict[str, Any]:
+    """Return the state at ``step`` (newest durable if ``None``) as plain tensors.
+
+    Returns:
+        ``{"step", "model": {name: tensor}, "optimizers": [optimizer state_dict, ...],
+        "state": framework state recorded at that step, "base_step", "replayed"}``.
+    """
+    store = RunStore(open_storage(url, **(storage_options or {})))
+    plan = store.plan(step)
+    meta = store.session_meta(plan.base.gen)
+    _, base = store.load_base(plan.base)
+    model = {k: v.to(device).clone() for k, v in base["model"].items()}
+    names = [name for name, _ in meta["parameters"]]
+    params = {n: model[n] for n in names}
+    buffers = {k: v for k, v in model.items() if k not in params}
+    optimizers = []
+    for qualname, opt_state, groups_names in zip(meta["optimizers"], base["optimizers"],
+                                                 meta["optimizer_params"]):
+        cls = _optimizer_class(qualname, allow_modules)
+        groups = []
+        for group, group_names in zip(opt_state["param_groups"], groups_names):
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            groups.append({"params": [params[n] for n in group_names], **hyper})
+        optimizers.append(cls(groups))
+
+    def load(sd: dict[str, torch.Tensor]) -> None:
+        for k, t in model.items():
+            t.copy_(sd[k])
+
+    result: ReplayResult = replay(store, plan, ReplayTarget(params, buffers, load), optimizers, verify=verify)
+    return {"step": result.step, "model": model, "optimizers": [o.state_dict() for o in optimizers],
+            "state": result.state, "base_step": result.base_step, "replayed": result.replayed}
