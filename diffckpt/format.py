@@ -33,8 +33,8 @@ __all__ = [
 FORMAT_VERSION = 1
 SEGMENT_MAGIC = b"DCKSEG\x00\x01"
 _DIGEST = 32
-_SEG_RE = re.compile(r"^diffs/(\d{12})-(\d{12})\.g(\d{6})\.seg$")
-_BASE_RE = re.compile(r"^bases/(\d{12})\.g(\d{6})/COMMIT$")
+_SEG_RE = re.compile(r"^diffs/(\d{12})-(\d{12})\.g(\d{6})\.seg$", re.ASCII)
+_BASE_RE = re.compile(r"^bases/(\d{12})\.g(\d{6})/COMMIT$", re.ASCII)
 
 
 def sha256(data: bytes | memoryview) -> str:
@@ -129,6 +129,8 @@ def decode_segment(data: bytes, name: str = "segment") -> tuple[dict[str, Any], 
     problem = None
     if len(data) < 12 + hlen + _DIGEST or hashlib.sha256(data[:-_DIGEST]).digest() != data[-_DIGEST:]:
         problem = f"{name}: segment checksum does not match (truncated or modified)"
+    if header.get("compression") not in ("zstd", "none"):
+        raise CorruptRecordError(f"{name}: unknown compression {header.get('compression')!r}")
     decompressor = zstandard.ZstdDecompressor() if header["compression"] == "zstd" else None
     records: list[Any] = []
     offset = 12 + hlen
@@ -140,6 +142,8 @@ def decode_segment(data: bytes, name: str = "segment") -> tuple[dict[str, Any], 
             break
         try:
             raw = decompressor.decompress(blob, max_output_size=entry["raw_length"]) if decompressor else blob
+            if len(raw) != entry["raw_length"]:
+                raise CorruptRecordError(f"length {len(raw)} instead of {entry['raw_length']}")
             records.append(unpack_tree(raw))
         except (CorruptRecordError, zstandard.ZstdError) as exc:
             problem = f"{name}: record for step {entry['step']} cannot be decoded: {exc}"

@@ -155,7 +155,7 @@ def replay(store: RunStore, plan: RestorePlan, target: ReplayTarget | torch.nn.M
                       "intact step before it", stacklevel=2)
     if last_applied != result.step:
         # Replay went past the last restorable point (damage after stateless records): redo it.
-        return replay(store, _replace(plan, target=result.step, latest=False), target, optimizers, verify)
+        result = replay(store, _replace(plan, target=result.step, latest=False), target, optimizers, verify)
     if not plan.latest and result.step != plan.target:
         raise CheckpointNotFoundError(
             f"step {plan.target} is not a restorable step under {store.storage.url} (restorable "

@@ -162,6 +162,9 @@ class RunStore:
     def load_base(self, base: BaseName) -> tuple[dict[str, Any], Any]:
         """Return ``(commit info, state tree)`` of a committed base, verifying its checksum."""
         info = decode_commit(self.storage.read(base.commit_path), base.commit_path)
+        if info.get("step") != base.step or info.get("gen") != base.gen:
+            raise CorruptRecordError(f"{base.commit_path} describes step {info.get('step')} of session "
+                                     f"{info.get('gen')}, not its own directory")
         expected = info["files"]["state.safetensors"]
         try:
             data = self.storage.read(base.state_path)
@@ -202,5 +205,8 @@ class RunStore:
                 prev = record["step"]
             if problem is not None:
                 yield None, problem
+                return
+            if prev != seg.last or header.get("last") != seg.last:
+                yield None, f"{seg.path}: ends at step {prev}, not at step {seg.last} as its name says"
                 return
             expected_after = seg.last

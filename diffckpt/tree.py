@@ -30,6 +30,8 @@ def encode_tree(obj: Any, tensors: dict[str, torch.Tensor], path: str = "$") -> 
     """Return a JSON-able form of ``obj``; tensors are moved into ``tensors`` by name."""
     if obj is None or isinstance(obj, (bool, str)):
         return obj
+    if isinstance(obj, np.generic):  # before float: np.float64 is a float subclass
+        return {"npscalar": obj.dtype.str, "value": encode_tree(obj.item(), tensors, path)}
     if isinstance(obj, int):
         return obj
     if isinstance(obj, float):
@@ -37,9 +39,12 @@ def encode_tree(obj: Any, tensors: dict[str, torch.Tensor], path: str = "$") -> 
     if isinstance(obj, torch.Tensor):
         return {"tensor": _add_tensor(obj, tensors, path)}
     if isinstance(obj, np.ndarray):
-        return {"ndarray": _add_tensor(torch.from_numpy(obj.copy()), tensors, path)}
-    if isinstance(obj, np.generic):
-        return {"npscalar": obj.dtype.str, "value": encode_tree(obj.item(), tensors, path)}
+        try:
+            as_tensor = torch.from_numpy(obj.copy())
+        except TypeError:
+            raise UnsupportedConfigurationError(
+                f"numpy array of dtype {obj.dtype} at {path} cannot be stored without pickle") from None
+        return {"ndarray": _add_tensor(as_tensor, tensors, path)}
     if isinstance(obj, dict):
         items = [[encode_tree(k, tensors, f"{path}.key"), encode_tree(v, tensors, f"{path}[{k!r}]")]
                  for k, v in obj.items()]
@@ -60,9 +65,19 @@ def encode_tree(obj: Any, tensors: dict[str, torch.Tensor], path: str = "$") -> 
     )
 
 
+_STORABLE = {
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16, torch.uint32,
+    torch.uint64, torch.bool,
+}
+
+
 def _add_tensor(t: torch.Tensor, tensors: dict[str, torch.Tensor], path: str) -> str:
     if t.layout != torch.strided:
         raise UnsupportedConfigurationError(f"sparse tensor at {path} is not supported")
+    if t.dtype not in _STORABLE:
+        raise UnsupportedConfigurationError(
+            f"tensor of dtype {t.dtype} at {path} is not supported by the checkpoint format")
     name = str(len(tensors))
     t = t.detach()
     if t.device.type != "cpu":
@@ -75,28 +90,37 @@ def _add_tensor(t: torch.Tensor, tensors: dict[str, torch.Tensor], path: str) ->
 
 
 def decode_tree(node: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    """Invert :func:`encode_tree`."""
+    """Invert :func:`encode_tree`; malformed input raises :class:`CorruptRecordError`."""
+    try:
+        return _decode(node, tensors)
+    except CorruptRecordError:
+        raise
+    except Exception as exc:  # malformed nodes surface as assorted built-in errors
+        raise CorruptRecordError(f"malformed state tree: {type(exc).__name__}: {exc}") from None
+
+
+def _decode(node: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if node is None or isinstance(node, (bool, str, int, float)):
         return node
     if isinstance(node, list):
-        return [decode_tree(v, tensors) for v in node]
+        return [_decode(v, tensors) for v in node]
     if not isinstance(node, dict) or len(node) not in (1, 2):
         raise CorruptRecordError(f"unexpected node in state tree: {str(node)[:80]}")
     (tag, value), *rest = node.items()
     if tag == "dict":
-        return {_hashable(decode_tree(k, tensors)): decode_tree(v, tensors) for k, v in value}
+        return {_hashable(_decode(k, tensors)): _decode(v, tensors) for k, v in value}
     if tag == "tuple":
-        return tuple(decode_tree(v, tensors) for v in value)
+        return tuple(_decode(v, tensors) for v in value)
     if tag == "tensor":
         return _tensor(tensors, value)
     if tag == "ndarray":
         return _tensor(tensors, value).numpy()
     if tag == "npscalar":
-        return np.dtype(value).type(decode_tree(rest[0][1], tensors))
+        return np.dtype(value).type(_decode(rest[0][1], tensors))
     if tag == "float":
         return float(value)
     if tag == "bytes":
-        return base64.b64decode(value)
+        return base64.b64decode(value, validate=True)
     if tag == "dtype":
         dtype = getattr(torch, value, None)
         if not isinstance(dtype, torch.dtype):
@@ -148,6 +172,8 @@ def unpack_tree(buf: bytes) -> Any:
     try:
         tensors = safetensors.torch.load(buf)
         structure = json.loads(meta[_META_KEY])
-    except (ValueError, RuntimeError) as exc:
-        raise CorruptRecordError(f"cannot decode state buffer: {exc}") from None
-    return decode_tree(structure, tensors)
+        return _decode(structure, tensors)
+    except CorruptRecordError:
+        raise
+    except Exception as exc:  # safetensors and malformed nodes raise assorted types
+        raise CorruptRecordError(f"cannot decode state buffer: {type(exc).__name__}: {exc}") from None

@@ -60,12 +60,16 @@ class DiffCheckpoint(ModelCheckpoint):
         self._trainer: pl.Trainer | None = None
         self._last_recorded = -1
         self._pending_rng: dict[str, Any] | None = None
+        self._pending_at = "batch_start"
+        self._capture_at = "batch_start"
+        self._deferred: str | None = None
         self._restored: tuple[int, Any] | None = None
 
     # ---------------------------------------------------------------- identity
     @property
     def state_key(self) -> str:
-        return f"DiffCheckpoint{{'dirpath': {self.url!r}}}"
+        # Independent of dirpath: a run resumed from another run root must find its state.
+        return "DiffCheckpoint"
 
     @property
     def is_writer(self) -> bool:
@@ -111,16 +115,42 @@ class DiffCheckpoint(ModelCheckpoint):
         self._restored = None
 
     # ------------------------------------------------------------------ capture
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._apply_pending_rng("epoch_start")
+
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        if self._pending_rng is not None:
+        self._apply_pending_rng("batch_start")
+        self.engine.check()
+
+    def _apply_pending_rng(self, where: str) -> None:
+        # RNG is restored where it was captured relative to the data: before the next batch
+        # mid-epoch, before the next epoch's iterator (which draws from it) at an epoch end.
+        if self._pending_rng is not None and (where == self._pending_at or where == "batch_start"):
             set_rng_state(self._pending_rng)
             self._pending_rng = None
-        self.engine.check()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
+        if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch and trainer.global_step != self._last_recorded:
+            # The last step of an epoch is recorded at on_train_epoch_end, after epoch-end
+            # validation, so the RNG state covers what validation drew from it.
+            self._deferred = True
+            return
         self.record(trainer)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._record_deferred(trainer)
+        self.engine.check()
+
+    def _record_deferred(self, trainer: pl.Trainer) -> None:
+        if self._deferred:
+            self._deferred: str | None = None
+            self._capture_at = "epoch_start"
+            try:
+                self.record(trainer)
+            finally:
+                self._capture_at = "batch_start"
 
     def record(self, trainer: pl.Trainer, force_state: bool = False) -> None:
         """Record the optimizer steps taken since the last record (once per global step)."""
@@ -147,25 +177,21 @@ class DiffCheckpoint(ModelCheckpoint):
 
     # -------------------------------------------------------------- callback state
     def state_dict(self) -> dict[str, Any]:
-        rng = self._pending_rng if self._pending_rng is not None else get_rng_state()
-        return {"rng": rng, "dirpath": self.url}
+        if self._pending_rng is not None:
+            return {"rng": self._pending_rng, "restore_at": self._pending_at, "dirpath": self.url}
+        return {"rng": get_rng_state(), "restore_at": self._capture_at, "dirpath": self.url}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # Applied right before the next training batch, the point where it was captured.
         self._pending_rng = state_dict.get("rng")
-
-    # --------------------------------------------------------------- no ModelCheckpoint saving
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.engine.check()
-
-    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        return None
+        self._pending_at = state_dict.get("restore_at", "batch_start")
 
     # ---------------------------------------------------------------- shutdown
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._close(reason=f"{type(exception).__name__}")
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.engine.started:
+            self._record_deferred(trainer)
         self._close(reason="end of training")
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -81,6 +81,9 @@ class LM(L.LightningModule):
         opt2.step()
         return None
 
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.loss(batch))
+
     def configure_optimizers(self):
         if self.cfg == "sgd_bn":
             opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
@@ -101,9 +104,10 @@ class StepPrinter(L.Callback):
 
 CONFIGS = {
     # name: (trainer kwargs, steps)
-    "adamw": ({"precision": "32-true", "gradient_clip_val": 0.5, "accumulate_grad_batches": 2}, 30),
+    "adamw": ({"precision": "32-true", "gradient_clip_val": 0.5, "accumulate_grad_batches": 2,
+               "val_check_interval": 5, "limit_val_batches": 2}, 30),
     "adamw_bf16": ({"precision": "bf16-mixed", "gradient_clip_val": 0.5, "accumulate_grad_batches": 2}, 24),
-    "sgd_bn": ({"precision": "32-true"}, 30),
+    "sgd_bn": ({"precision": "32-true", "limit_val_batches": 2}, 30),
     "manual2": ({"precision": "32-true"}, 40),
     # Lightning maps "16-mixed" to bf16 on CPU; the plugin forces fp16 autocast with a GradScaler.
     "scaler_skip": ({"gradient_clip_val": 1.0}, 20),
@@ -155,10 +159,11 @@ def main(argv: list[str] | None = None) -> None:
         plugins.append(DiffCheckpointIO())
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False,
                         enable_progress_bar=False, enable_model_summary=False,
-                        enable_checkpointing=not args.no_lib, num_sanity_val_steps=0,
+                        enable_checkpointing=not args.no_lib, num_sanity_val_steps=2,
                         callbacks=callbacks, plugins=plugins, deterministic=True, **kwargs)
     ckpt = args.ckpt_path or ("last" if args.resume else None)
-    trainer.fit(model, train_dataloaders=loader, ckpt_path=ckpt)
+    val_loader = StatefulDataLoader(make_data(32, seed=99), batch_size=8)
+    trainer.fit(model, train_dataloaders=loader, val_dataloaders=val_loader, ckpt_path=ckpt)
     torch.save(final_state(trainer), args.out)
 
 

@@ -1,0 +1,80 @@
+"""Bit-exact resume after a real ``kill -9``, against runs that never used the library."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from helpers import assert_bitwise_equal, count_tensors, run_script
+
+SCRIPT = "tests/lightning/train_script.py"
+SEED = int(os.environ.get("DIFFCKPT_TEST_SEED", random.randrange(1 << 30)))
+STEPS = {"adamw": 30, "adamw_bf16": 24, "sgd_bn": 30, "manual2": 40, "scaler_skip": 20}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Final state of an uninterrupted run without diffckpt, per config (computed once)."""
+    cache: dict[str, dict] = {}
+
+    def get(config: str) -> dict:
+        if config not in cache:
+            out = tmp_path_factory.mktemp("ref") / f"{config}.pt"
+            rc, log = run_script(SCRIPT, [config, str(out), "--no-lib"])
+            assert rc == 0, log[-3000:]
+            cache[config] = torch.load(out, weights_only=False)
+        return cache[config]
+
+    return get
+
+
+def _first_step(log: str) -> int:
+    return next(int(line.split()[1]) for line in log.splitlines() if line.startswith("STEP "))
+
+
+@pytest.mark.parametrize("config", sorted(STEPS))
+def test_kill9_then_resume_last_is_bitwise_identical(config, reference, tmp_path):
+    rng = random.Random(f"{SEED}-{config}")
+    kill_at = rng.randrange(2, STEPS[config] - 2)
+    run = str(tmp_path / "run")
+    rc, log = run_script(SCRIPT, [config, str(tmp_path / "crashed.pt"), "--dirpath", run], kill_at_step=kill_at)
+    assert rc == -9, f"training was not killed (seed {SEED}): {log[-2000:]}"
+    rc, log = run_script(SCRIPT, [config, str(tmp_path / "resumed.pt"), "--dirpath", run, "--resume"])
+    assert rc == 0, log[-3000:]
+    assert "Restoring states from the checkpoint path" in log
+    resumed_from = _first_step(log)
+    assert resumed_from <= kill_at + 2, (resumed_from, kill_at)
+    resumed = torch.load(tmp_path / "resumed.pt", weights_only=False)
+    ref = reference(config)
+    assert count_tensors(ref["model"]) > 10 and count_tensors(ref["optimizers"]) > 10
+    assert_bitwise_equal(ref, resumed)  # model, optimizers, schedulers, step and all RNG states
+
+
+@pytest.mark.parametrize("config", ["adamw", "adamw_bf16"])
+def test_library_does_not_perturb_training(config, reference, tmp_path):
+    out = tmp_path / "with_lib.pt"
+    rc, log = run_script(SCRIPT, [config, str(out), "--dirpath", str(tmp_path / "run")])
+    assert rc == 0, log[-3000:]
+    assert_bitwise_equal(reference(config), torch.load(out, weights_only=False))
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    """One complete adamw run with diffckpt: every step durable, bases every 10 steps."""
+    d = tmp_path_factory.mktemp("full")
+    rc, log = run_script(SCRIPT, ["adamw", str(d / "out.pt"), "--dirpath", str(d / "run")])
+    assert rc == 0, log[-3000:]
+    return d / "run"
+
+
+@pytest.mark.parametrize("step", [1, 10, 13], ids=["step1", "base-step", "mid-interval"])
+def test_resume_from_explicit_step(step, full_run, reference, tmp_path):
+    """``ckpt_path=<root>/step=N`` resumes at N; training on from there matches the reference."""
+    rc, log = run_script(SCRIPT, ["adamw", str(tmp_path / "out.pt"), "--dirpath", str(tmp_path / "run2"),
+                                  "--ckpt-path", f"{full_run}/step={step}"])
+    assert rc == 0, log[-3000:]
+    assert _first_step(log) in (step, step + 1), log[-500:]
+    assert_bitwise_equal(reference("adamw"), torch.load(tmp_path / "out.pt", weights_only=False))
