@@ -184,7 +184,9 @@ NOTES = (
     "`median s`: timed steps plus the end of `fit` (final flush / async teardown). "
     "`durable s`: plus an fsync of every file written. `tail s`: from the end of the last step "
     "until `fit` returned. `bytes/step`: bytes on disk after the run / steps. Lightning's "
-    "`TorchCheckpointIO` does not fsync; diffckpt fsyncs every commit."
+    "`TorchCheckpointIO` does not fsync; diffckpt fsyncs every commit. With torch threads = "
+    "cores, background writer threads (diffckpt's, AsyncCheckpointIO's) compete with the OpenMP "
+    "workers; compare with `--threads` one less than the cores."
 )
 
 

@@ -91,6 +91,13 @@ class CheckpointEngine:
     def wants_base(self, step: int) -> bool:
         return self.policy.wants_base(self._context(step))
 
+    def follow(self, step: int, base: bool) -> None:
+        """Keep the step/base clock of a process that does not write (DDP ranks other than 0), so
+        that its decisions match the writer's."""
+        self._prev_step = step
+        if base:
+            self._last_base = step
+
     def record_step(self, step: int, state: Any | None) -> None:
         """Record what the optimizer steps since the previous call consumed.
 

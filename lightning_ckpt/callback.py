@@ -25,6 +25,7 @@ from diffckpt.rng import get_rng_state, set_rng_state
 from diffckpt.store import RUN_FILE
 
 from .references import write_reference
+from .samplers import SamplerOrderTracker
 
 __all__ = ["DiffCheckpoint"]
 
@@ -64,6 +65,8 @@ class DiffCheckpoint(ModelCheckpoint):
         self._capture_at = "batch_start"
         self._deferred: str | None = None
         self._restored: tuple[int, Any] | None = None
+        self._rank_states: list[dict[str, Any]] | None = None
+        self._order = SamplerOrderTracker()
 
     # ---------------------------------------------------------------- identity
     @property
@@ -97,11 +100,14 @@ class DiffCheckpoint(ModelCheckpoint):
                 "or strategy='ddp', or use Lightning's ModelCheckpoint for this run")
         if isinstance(strategy.checkpoint_io, DiffCheckpointIO):
             strategy.checkpoint_io.attach(self)
+        if stage == "fit" and trainer.world_size > 1:
+            self._order.install()
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         step = trainer.global_step
         self._last_recorded = step
         if not self.is_writer:
+            self.engine.follow(step, base=True)
             return
         optimizers = list(trainer.optimizers)
         self.engine.start(pl_module, optimizers, step, meta={
@@ -129,6 +135,8 @@ class DiffCheckpoint(ModelCheckpoint):
         if self._pending_rng is not None and (where == self._pending_at or where == "batch_start"):
             set_rng_state(self._pending_rng)
             self._pending_rng = None
+        if where == "batch_start":
+            self._order.replay = None
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
@@ -155,17 +163,36 @@ class DiffCheckpoint(ModelCheckpoint):
     def record(self, trainer: pl.Trainer, force_state: bool = False) -> None:
         """Record the optimizer steps taken since the last record (once per global step)."""
         step = trainer.global_step
-        if step == self._last_recorded or not self.is_writer:
-            self._last_recorded = step
+        if step == self._last_recorded:
             return
+        self._last_recorded = step
         engine = self.engine
         wants_state = force_state or engine.wants_state(step)
+        wants_base = engine.wants_base(step)
+        if wants_state and trainer.world_size > 1:
+            self._rank_states = self._gather_rank_states(trainer)
+        if not self.is_writer:
+            engine.follow(step, wants_base)
+            return
         state = self._small_state(trainer) if wants_state else None
+        self._rank_states = None
         engine.record_step(step, state)
-        self._last_recorded = step
-        if engine.wants_base(step):
+        if wants_base:
             module = trainer.lightning_module
             engine.write_base(step, module.state_dict(), [o.state_dict() for o in trainer.optimizers], state)
+
+    @staticmethod
+    def _gather_rank_states(trainer: pl.Trainer) -> list[dict[str, Any]] | None:
+        """Every rank's RNG and data position, gathered on rank 0.
+
+        Lightning saves only rank 0's loader state and restores it on every rank, so after a
+        mid-epoch resume the other ranks would read different batches; each rank gets its own.
+        """
+        mine = {"rng": get_rng_state(), "loops": trainer.fit_loop.on_save_checkpoint(),
+                "sampler_rng": tracker.captured if (tracker := SamplerOrderTracker._active) else None}
+        gathered: list[Any] | None = [None] * trainer.world_size if trainer.is_global_zero else None
+        torch.distributed.gather_object(mine, gathered, dst=0)
+        return gathered
 
     @staticmethod
     def _small_state(trainer: pl.Trainer) -> dict[str, Any]:
@@ -178,8 +205,12 @@ class DiffCheckpoint(ModelCheckpoint):
     # -------------------------------------------------------------- callback state
     def state_dict(self) -> dict[str, Any]:
         if self._pending_rng is not None:
-            return {"rng": self._pending_rng, "restore_at": self._pending_at, "dirpath": self.url}
-        return {"rng": get_rng_state(), "restore_at": self._capture_at, "dirpath": self.url}
+            state = {"rng": self._pending_rng, "restore_at": self._pending_at}
+        else:
+            state = {"rng": get_rng_state(), "restore_at": self._capture_at}
+        if self._rank_states is not None:
+            state["ranks"] = self._rank_states
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._pending_rng = state_dict.get("rng")
@@ -198,6 +229,7 @@ class DiffCheckpoint(ModelCheckpoint):
         self._close(reason="teardown")
 
     def _close(self, reason: str) -> None:
+        self._order.uninstall()
         if not self.engine.started:
             return
         durable = self.engine.close()
@@ -214,12 +246,31 @@ class DiffCheckpoint(ModelCheckpoint):
         optimizers = _init_optimizers_and_lr_schedulers(module)[0]
         result = engine.restore(module, optimizers, step)
         ckpt = dict(result.state)
+        self._use_rank_state(ckpt, trainer)
         ckpt["state_dict"] = module.state_dict()
         ckpt["optimizer_states"] = [o.state_dict() for o in optimizers]
         self._restored = (result.step, result.state)
         log.info("diffckpt: restored step %d from %s (base %d + %d replayed steps)", result.step, url,
                  result.base_step, result.replayed)
         return ckpt
+
+    def _use_rank_state(self, ckpt: dict[str, Any], trainer: pl.Trainer) -> None:
+        """Put this rank's own RNG and data position into the checkpoint dict it restores."""
+        ours = ckpt.get("callbacks", {}).get(self.state_key, {})
+        ranks = ours.get("ranks")
+        if not ranks:
+            return
+        if len(ranks) != trainer.world_size:
+            log.warning("diffckpt: the run was trained on %d processes and resumes on %d; each rank's "
+                        "data position and RNG cannot be carried over, so rank 0's are used "
+                        "(the resumed run will not be bit-exact)", len(ranks), trainer.world_size)
+            return
+        mine = ranks[trainer.global_rank]
+        ckpt["callbacks"][self.state_key] = dict(ours, rng=mine["rng"])
+        fit_loop = ckpt["loops"]["fit_loop"]
+        fit_loop["state_dict"] = dict(fit_loop.get("state_dict", {}), **mine["loops"])
+        if mine.get("sampler_rng") is not None:
+            self._order.replay = mine["sampler_rng"]
 
     def save_reference(self, step: int, path: str) -> None:
         """Back a checkpoint that Lightning saves through DiffCheckpointIO with a reference."""

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from typing import Any
 
+import numpy as np
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,6 +54,8 @@ def assert_bitwise_equal(a: Any, b: Any, path: str = "$") -> None:
         assert isinstance(b, (list, tuple)) and len(a) == len(b), f"{path}: lengths differ"
         for i, (x, y) in enumerate(zip(a, b)):
             assert_bitwise_equal(x, y, f"{path}[{i}]")
+    elif isinstance(a, np.ndarray):
+        assert isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b), f"{path}: arrays differ"
     else:
         assert a == b, f"{path}: {a!r} != {b!r}"
 

@@ -99,7 +99,8 @@ class LM(L.LightningModule):
 
 class StepPrinter(L.Callback):
     def on_train_batch_end(self, trainer, *args):
-        print(f"STEP {trainer.global_step}", flush=True)
+        if trainer.is_global_zero:
+            print(f"STEP {trainer.global_step}", flush=True)
 
 
 CONFIGS = {
@@ -138,6 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--write-batch", type=int, default=4)
     ap.add_argument("--base-every", type=int, default=10)
     ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--devices", type=int, default=1)
     args = ap.parse_args(argv)
 
     kwargs, steps = CONFIGS[args.config]
@@ -157,14 +159,16 @@ def main(argv: list[str] | None = None) -> None:
         callbacks.append(DiffCheckpoint(args.dirpath, write_batch=args.write_batch,
                                         base_every_n_steps=args.base_every, fingerprint_every_n_steps=5))
         plugins.append(DiffCheckpointIO())
-    trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False,
+    ddp = {"strategy": "ddp", "devices": args.devices} if args.devices > 1 else {"devices": 1}
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, **ddp,
                         enable_progress_bar=False, enable_model_summary=False,
                         enable_checkpointing=not args.no_lib, num_sanity_val_steps=2,
                         callbacks=callbacks, plugins=plugins, deterministic=True, **kwargs)
     ckpt = args.ckpt_path or ("last" if args.resume else None)
     val_loader = StatefulDataLoader(make_data(32, seed=99), batch_size=8)
     trainer.fit(model, train_dataloaders=loader, val_dataloaders=val_loader, ckpt_path=ckpt)
-    torch.save(final_state(trainer), args.out)
+    out = args.out if trainer.global_rank == 0 else f"{args.out}.rank{trainer.global_rank}"
+    torch.save(final_state(trainer), out)
 
 
 if __name__ == "__main__":
