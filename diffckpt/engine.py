@@ -166,11 +166,25 @@ class CheckpointEngine:
     # ------------------------------------------------------------------- restore
     def restore(self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
                 step: int | None = None, verify: bool = True) -> ReplayResult:
-        """Load ``step`` (``None``: newest durable) into ``module`` and ``optimizers`` by replay."""
-        plan = self.store.plan(step)
+        """Load ``step`` (``None``: newest durable) into ``module`` and ``optimizers`` by replay.
+
+        For ``None``, damage (a missing or corrupt segment, an unusable base) makes it restore the
+        newest step that can still be rebuilt, with a warning; for an explicit step it raises.
+        Older bases of the same session stand in for a damaged one (see
+        :meth:`RunStore.open_plan`).
+
+        Raises:
+            CheckpointNotFoundError: nothing durable under the run root, or ``step`` is not durable.
+            CorruptRecordError: an explicit step cannot be rebuilt, or no base can be loaded.
+            IncompatibleCheckpointError: the checkpoint was written for another model or optimizer;
+                ``module`` and ``optimizers`` are then left untouched.
+            ReplayMismatchError: replay diverged from the fingerprints recorded in training;
+                ``module`` and ``optimizers`` are then partly replayed and must not be used.
+        """
+        plan, info, base = self.store.open_plan(step)
         ctx = self.capture.paused() if self.capture else _null()
         with ctx:
-            return replay(self.store, plan, module, optimizers, verify=verify)
+            return replay(self.store, plan, module, optimizers, verify=verify, loaded=(info, base))
 
 
 class _null:

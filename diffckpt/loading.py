@@ -38,14 +38,16 @@ def load_state(url: str | os.PathLike[str] | Storage, step: int | None = None, *
                allow_modules: tuple[str, ...] = ("torch.",)) -> dict[str, Any]:
     """Return the state at ``step`` (newest durable if ``None``) as plain tensors.
 
+    Damage is handled as in :meth:`CheckpointEngine.restore`: for ``None``, the newest step that
+    can be rebuilt, with a warning; for an explicit step, an error.
+
     Returns:
         ``{"step", "model": {name: tensor}, "optimizers": [optimizer state_dict, ...],
         "state": framework state recorded at that step, "base_step", "replayed"}``.
     """
     store = RunStore(open_storage(url, **(storage_options or {})))
-    plan = store.plan(step)
+    plan, info, base = store.open_plan(step)
     meta = store.session_meta(plan.base.gen)
-    _, base = store.load_base(plan.base)
     model = {k: v.to(device).clone() for k, v in base["model"].items()}
     names = [name for name, _ in meta["parameters"]]
     params = {n: model[n] for n in names}
@@ -64,6 +66,7 @@ def load_state(url: str | os.PathLike[str] | Storage, step: int | None = None, *
         for k, t in model.items():
             t.copy_(sd[k])
 
-    result: ReplayResult = replay(store, plan, ReplayTarget(params, buffers, load), optimizers, verify=verify)
+    result: ReplayResult = replay(store, plan, ReplayTarget(params, buffers, load), optimizers, verify=verify,
+                                  loaded=(info, base))
     return {"step": result.step, "model": model, "optimizers": [o.state_dict() for o in optimizers],
             "state": result.state, "base_step": result.base_step, "replayed": result.replayed}

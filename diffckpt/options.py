@@ -21,7 +21,9 @@ class CheckpointOptions:
             every base); replay checks it. ``None`` fingerprints bases only.
         max_pending_bytes: memory the queue to the background writer may hold; when full, the
             training thread waits (and warns) rather than dropping anything.
-        compression: ``"zstd"`` or ``"none"`` for step records.
+        compression: ``"auto"`` (zstd when a sample of the segment's first record shrinks by at
+            least 10%: dense float32 gradients usually do not, RNG states and compressed
+            payloads do), ``"zstd"`` or ``"none"``.
         compression_level: zstd level (1 is fast and keeps up with training on few cores).
     """
 
@@ -29,8 +31,8 @@ class CheckpointOptions:
     write_batch: int = 8
     base_every_n_steps: int | None = 500
     fingerprint_every_n_steps: int | None = 50
-    max_pending_bytes: int = 1 << 30
-    compression: str = "zstd"
+    max_pending_bytes: int = 256 << 20
+    compression: str = "auto"
     compression_level: int = 1
 
     def __post_init__(self) -> None:
@@ -42,5 +44,5 @@ class CheckpointOptions:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
-        if self.compression not in ("zstd", "none"):
-            raise ValueError(f"compression must be 'zstd' or 'none', got {self.compression!r}")
+        if self.compression not in ("auto", "zstd", "none"):
+            raise ValueError(f"compression must be 'auto', 'zstd' or 'none', got {self.compression!r}")

@@ -38,8 +38,9 @@ class ReplayResult:
 
 @dataclass
 class ReplayTarget:
-    """The tensors replay writes into: parameters in training's ``named_parameters`` order (the
-    fingerprint order), buffers by name, and how to load a model state dict into them."""
+    """The tensors replay writes into: parameters by name (replay and fingerprints follow the
+    order training recorded), buffers by name, and how to load a model state dict into them.
+    ``load`` raises ``RuntimeError`` for a state dict of another model."""
 
     params: dict[str, torch.Tensor]
     buffers: dict[str, torch.Tensor]
@@ -48,22 +49,81 @@ class ReplayTarget:
     @classmethod
     def from_module(cls, module: torch.nn.Module) -> ReplayTarget:
         return cls(dict(module.named_parameters()), dict(module.named_buffers()),
-                   lambda sd: module.load_state_dict(sd, strict=True))
+                   lambda sd: _load_module(module, sd))
+
+
+def _load_module(module: torch.nn.Module, sd: dict[str, Any]) -> None:
+    # Compared before loading: load_state_dict copies every matching tensor before it reports
+    # the mismatched ones, which would leave the module half-loaded.
+    own = module.state_dict()
+    problems = [f"missing {k!r}" for k in sd if k not in own][:3]
+    problems += [f"{k!r} is not in the checkpoint" for k in own if k not in sd][:3]
+    for k, mine in own.items():
+        theirs = sd.get(k)
+        if isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor) and (
+                mine.shape != theirs.shape or mine.dtype != theirs.dtype):
+            problems.append(f"{k!r} is {theirs.dtype}{list(theirs.shape)} in the checkpoint, "
+                            f"{mine.dtype}{list(mine.shape)} here")
+    if problems:
+        raise RuntimeError("; ".join(problems[:6]))
+    module.load_state_dict(sd, strict=True)
+
+
+def _qualname(obj: object) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _check_optimizers(target: ReplayTarget, optimizers: list[torch.optim.Optimizer], base: dict[str, Any],
+                      meta: dict[str, Any], where: str) -> None:
+    saved = base["optimizers"]
+    if len(optimizers) != len(saved):
+        raise IncompatibleCheckpointError(
+            f"{where} holds {len(saved)} optimizer(s) but {len(optimizers)} were given; "
+            "configure the same optimizers as in training")
+    classes = meta.get("optimizers") or []
+    recorded = meta.get("optimizer_params") or []
+    names = {id(p): n for n, p in target.params.items()}
+    for i, (opt, state) in enumerate(zip(optimizers, saved)):
+        if i < len(classes) and classes[i] != _qualname(opt):
+            raise IncompatibleCheckpointError(
+                f"{where} was written with optimizer {i} of class {classes[i]}, not {_qualname(opt)}; "
+                "replay needs the optimizer class used in training")
+        groups = state["param_groups"]
+        if len(groups) != len(opt.param_groups):
+            raise IncompatibleCheckpointError(
+                f"{where}: optimizer {i} ({type(opt).__name__}) had {len(groups)} param group(s) in "
+                f"training, {len(opt.param_groups)} now; configure the same param groups")
+        for j, (then, now) in enumerate(zip(groups, opt.param_groups)):
+            if len(then["params"]) != len(now["params"]):
+                raise IncompatibleCheckpointError(
+                    f"{where}: param group {j} of optimizer {i} had {len(then['params'])} parameters "
+                    f"in training, {len(now['params'])} now; the model or optimizer differs")
+            if i < len(recorded) and j < len(recorded[i]):
+                mine = [names.get(id(p), "") for p in now["params"]]
+                for k, (a, b) in enumerate(zip(recorded[i][j], mine)):
+                    if a != b:
+                        raise IncompatibleCheckpointError(
+                            f"{where}: param group {j} of optimizer {i} holds {b!r} at position {k}, "
+                            f"but {a!r} in training; optimizer state is matched by position, so build "
+                            "the optimizer from the parameters in the order used in training")
 
 
 def load_into(target: ReplayTarget, optimizers: list[torch.optim.Optimizer], base: dict[str, Any],
-              where: str) -> None:
-    """Load a base's model and optimizer states, turning mismatches into clear errors."""
+              where: str, meta: dict[str, Any] | None = None) -> None:
+    """Load a base's model and optimizer states, turning mismatches into clear errors.
+
+    ``meta`` is the session's record (:meth:`RunStore.session_meta`); with it, the optimizer
+    classes and the parameters of each param group are checked too. Everything that can be
+    checked is checked before anything is loaded, so on :class:`IncompatibleCheckpointError` the
+    model and optimizers are left as they were.
+    """
+    _check_optimizers(target, optimizers, base, meta or {}, where)
     try:
         target.load(base["model"])
     except RuntimeError as exc:
         raise IncompatibleCheckpointError(
             f"{where} was written for a different model: {exc}. Restore it with the model "
             "definition it was trained with, or start a new run directory") from None
-    if len(optimizers) != len(base["optimizers"]):
-        raise IncompatibleCheckpointError(
-            f"{where} holds {len(base['optimizers'])} optimizer(s) but {len(optimizers)} were given; "
-            "configure the same optimizers as in training")
     for i, (opt, state) in enumerate(zip(optimizers, base["optimizers"])):
         try:
             opt.load_state_dict(state)
@@ -99,22 +159,34 @@ def _apply_event(event: dict[str, Any], optimizers: list[torch.optim.Optimizer],
 
 
 def replay(store: RunStore, plan: RestorePlan, target: ReplayTarget | torch.nn.Module,
-           optimizers: list[torch.optim.Optimizer], verify: bool = True) -> ReplayResult:
+           optimizers: list[torch.optim.Optimizer], verify: bool = True,
+           loaded: tuple[dict[str, Any], Any] | None = None) -> ReplayResult:
     """Restore ``target`` and ``optimizers`` to ``plan.target`` (or the newest good step before it).
 
     For a plan made for the newest step (``plan.latest``), damage after the base stops replay at
     the newest intact restorable step with a warning. For an explicit step, damage raises.
+    ``loaded`` is the base's ``(commit info, state tree)`` if the caller already read it
+    (:meth:`RunStore.open_plan`).
+
+    On :class:`IncompatibleCheckpointError` raised before replay starts (a different model or
+    optimizer), ``target`` and ``optimizers`` are untouched. An error raised during replay
+    (:class:`ReplayMismatchError`, damage for an explicit step) leaves them partly replayed:
+    restore again or discard them.
     """
     where = f"{store.storage.url} base {plan.base.step}"
     if isinstance(target, torch.nn.Module):
         target = ReplayTarget.from_module(target)
-    info, base = store.load_base(plan.base)
-    load_into(target, optimizers, base, where)
-    params = list(target.params.values())
+    info, base = loaded if loaded is not None else store.load_base(plan.base)
+    meta = store.session_meta(plan.base.gen)
+    load_into(target, optimizers, base, where, meta)
+    order = [name for name, _ in meta.get("parameters") or []]
+    # Fingerprints hash the parameters in training's order, whatever order the model uses now.
+    params = ([target.params[n] for n in order] if sorted(order) == sorted(target.params)
+              else list(target.params.values()))
     if verify and info.get("fingerprint") and fingerprint(params) != info["fingerprint"]:
         raise ReplayMismatchError(
-            f"{where}: loaded parameters do not match the fingerprint of step {plan.base.step}; the "
-            "model registers its parameters in a different order than in training")
+            f"{where}: loaded parameters do not match the fingerprint of step {plan.base.step}; "
+            "the model's parameters differ from the ones trained (definition, dtype or device)")
     buffers = target.buffers
     result = ReplayResult(step=plan.base.step, state=base["state"], replayed=0, base_step=plan.base.step)
     last_applied = plan.base.step

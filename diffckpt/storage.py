@@ -15,7 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from .errors import CheckpointNotFoundError, StorageError
+from .errors import CheckpointNotFoundError, DiffCkptError, StorageError
 
 __all__ = ["Storage", "FsspecStorage", "open_storage"]
 
@@ -48,6 +48,8 @@ def _explain(exc: BaseException, action: str, where: str) -> StorageError:
         hint = "the disk is full: free space or point dirpath at a larger volume"
     elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
         hint = "permission denied or read-only file system: make it writable or choose another dirpath"
+    elif code in (errno.ENOTDIR, errno.EEXIST):
+        hint = "a part of the path is a file, not a directory: point dirpath at a directory"
     else:
         hint = "check that the location exists, is reachable and that credentials allow it"
     return StorageError(f"cannot {action} {where}: {exc} ({hint})")
@@ -141,8 +143,51 @@ class FsspecStorage:
             raise _explain(exc, "reach", f"{self.url}/{path}") from exc
 
 
+class _Explained:
+    """A caller's :class:`Storage` whose bare ``OSError`` is turned into a :class:`StorageError`
+    with the explanation :class:`FsspecStorage` gives (full disk, read-only, ...)."""
+
+    def __init__(self, inner: Storage) -> None:
+        self.inner = inner
+
+    @property
+    def url(self) -> str:
+        return self.inner.url
+
+    def _call(self, action: str, path: str, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(path, *args)
+        except DiffCkptError:
+            raise
+        except OSError as exc:
+            if isinstance(exc, FileNotFoundError) and action == "read":
+                raise CheckpointNotFoundError(f"{self.url}/{path} does not exist") from None
+            raise _explain(exc, action, f"{self.url}/{path}") from exc
+
+    def write(self, path: str, data: bytes) -> None:
+        self._call("write", path, self.inner.write, data)
+
+    def read(self, path: str) -> bytes:
+        return self._call("read", path, self.inner.read)  # type: ignore[no-any-return]
+
+    def list(self, prefix: str) -> dict[str, int]:
+        return self._call("list", prefix, self.inner.list)  # type: ignore[no-any-return]
+
+    def delete(self, path: str) -> None:
+        self._call("delete", path, self.inner.delete)
+
+    def exists(self, path: str) -> bool:
+        return self._call("reach", path, self.inner.exists)  # type: ignore[no-any-return]
+
+
 def open_storage(url: str | os.PathLike[str] | Storage, **storage_options: Any) -> Storage:
-    """Return ``url`` if it already is a :class:`Storage`, else an :class:`FsspecStorage`."""
-    if isinstance(url, Storage) and not isinstance(url, (str, os.PathLike)):
+    """Return an :class:`FsspecStorage` for a path or URL.
+
+    A caller's :class:`Storage` is used as it is, except that a bare ``OSError`` it raises becomes
+    a :class:`StorageError` that says what is wrong and how to fix it, as in :class:`FsspecStorage`.
+    """
+    if isinstance(url, (FsspecStorage, _Explained)):
         return url
+    if isinstance(url, Storage) and not isinstance(url, (str, os.PathLike)):
+        return _Explained(url)
     return FsspecStorage(os.fspath(url), **storage_options)

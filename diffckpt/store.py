@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,7 +98,21 @@ class RunStore:
         return self.storage.exists(RUN_FILE)
 
     def session_meta(self, gen: int) -> dict[str, Any]:
-        return json.loads(self.storage.read(f"sessions/g{gen:06d}.json"))
+        """What session ``gen`` recorded when it started (parameters, optimizers, options)."""
+        path = f"sessions/g{gen:06d}.json"
+        try:
+            meta = json.loads(self.storage.read(path))
+        except CheckpointNotFoundError:
+            raise CheckpointNotFoundError(
+                f"{self.storage.url}/{path} is missing; the session's steps cannot be checked "
+                "against the model and optimizers. Restore a step of another session") from None
+        except ValueError:
+            meta = None
+        if not isinstance(meta, dict):
+            raise CorruptRecordError(
+                f"{self.storage.url}/{path} is damaged (not a JSON object); the session's steps "
+                "cannot be checked against the model and optimizers. Restore a step of another session")
+        return meta
 
     def start_session(self, meta: dict[str, Any]) -> int:
         """Register a new writer session and return its generation number."""
@@ -114,42 +129,105 @@ class RunStore:
         """Choose the base and segments for ``step`` (``None``: the newest durable step).
 
         The newest session with a committed base wins for ``None``; an explicit step is looked
-        up from the newest session to the oldest.
+        up from the newest session to the oldest. This is the first of :meth:`candidates`.
+        """
+        return self.candidates(step, inv)[0]
+
+    def candidates(self, step: int | None = None, inv: Inventory | None = None) -> list[RestorePlan]:
+        """Every plan of one session that rebuilds ``step``, best first.
+
+        For ``None``: each committed base of the newest session with one, ordered by how far its
+        chain reaches, then newest base first (least replay). For an explicit step: the bases of
+        the newest session that reaches ``step``, newest first.
+
+        Raises:
+            CheckpointNotFoundError: nothing is committed, or ``step`` is not durable.
         """
         inv = inv or self.inventory()
         if not inv.bases:
-            raise CheckpointNotFoundError(
-                f"no committed checkpoint under {self.storage.url}: train with DiffCheckpoint first "
-                "or check the path")
+            raise CheckpointNotFoundError(self._nothing_here(inv))
         for gen in inv.gens():
-            bases = [b for b in inv.bases if b.gen == gen]
+            bases = sorted((b for b in inv.bases if b.gen == gen), reverse=True)
             if not bases:
                 continue
             if step is None:
-                target = inv.newest_step(gen)
-                assert target is not None
-                return self._plan_for(inv, bases, target, latest=True)
-            plan = self._plan_for(inv, bases, step, latest=False)
-            if plan is not None:
-                return plan
+                plans = []
+                for base in bases:
+                    chain = inv.chain(base)
+                    plans.append(RestorePlan(base, chain, chain[-1].last if chain else base.step, True))
+                return sorted(plans, key=lambda p: p.target, reverse=True)  # stable: newest base first
+            found = [p for p in (self._plan_for(inv, b, step) for b in bases) if p is not None]
+            if found:
+                return found
         durable = self.durable_ranges(inv)
         raise CheckpointNotFoundError(
             f"step {step} is not durable under {self.storage.url}; durable steps: {durable}. "
             "Pick one of those (see `diffckpt ls`).")
 
+    def _nothing_here(self, inv: Inventory) -> str:
+        url = self.storage.url
+        if "" in inv.sizes:  # an object at the root itself: the path names a file
+            return (f"{url} is a file, not a run directory: pass the directory (or URL prefix) that "
+                    "the run was written to")
+        if not inv.sizes:
+            return (f"nothing under {url}: the path does not exist or is empty. Check the path (and "
+                    "storage_options for remote URLs), or train first to create the run")
+        if RUN_FILE not in inv.sizes:
+            return f"{url} is not a diffckpt run (it has no {RUN_FILE}): check the path"
+        return (f"no committed checkpoint under {url} yet: the run never committed a base, so no "
+                "step is durable. Train until the first base is written")
+
     @staticmethod
-    def _plan_for(inv: Inventory, bases: list[BaseName], step: int, latest: bool) -> RestorePlan | None:
-        for base in sorted(bases, reverse=True):
-            if base.step > step:
-                continue
-            if base.step == step:
-                return RestorePlan(base, [], step, latest)
-            segs = []
-            for seg in inv.chain(base):
-                segs.append(seg)
-                if seg.last >= step:
-                    return RestorePlan(base, segs, step, latest)
+    def _plan_for(inv: Inventory, base: BaseName, step: int) -> RestorePlan | None:
+        if base.step > step:
+            return None
+        if base.step == step:
+            return RestorePlan(base, [], step, False)
+        segs = []
+        for seg in inv.chain(base):
+            segs.append(seg)
+            if seg.last >= step:
+                return RestorePlan(base, segs, step, False)
         return None
+
+    def open_plan(self, step: int | None = None) -> tuple[RestorePlan, dict[str, Any], Any]:
+        """Choose a plan for ``step`` (``None``: newest durable) and load its base.
+
+        Returns ``(plan, commit info, base state tree)``. A base that cannot be used (its COMMIT
+        marker is damaged or unreadable, its state file is missing or fails its checksum) is
+        skipped with a warning, and the next of :meth:`candidates` is tried: an older committed
+        base of the same session that reaches ``step`` (for ``None``: the one whose chain reaches
+        furthest, so the step restored may be older). For ``None``, a warning also says when
+        committed segments of that session lie beyond the step chosen (a missing segment cut the
+        chain). Steps of other sessions are never used in place of damaged ones.
+
+        Raises:
+            CheckpointNotFoundError: nothing is committed, or ``step`` is not durable.
+            CorruptRecordError: no candidate base can be loaded.
+        """
+        inv = self.inventory()
+        problems: list[str] = []
+        for plan in self.candidates(step, inv):
+            try:
+                info, tree = self.load_base(plan.base)
+            except (CorruptRecordError, CheckpointNotFoundError) as exc:
+                problems.append(str(exc))
+                continue
+            if problems:
+                warnings.warn(f"diffckpt: {'; '.join(problems)}; using the older base at step "
+                              f"{plan.base.step} instead, restoring step {plan.target}", stacklevel=3)
+            beyond = [s for s in inv.segments if s.gen == plan.base.gen and s.last > plan.target]
+            if plan.latest and beyond:
+                warnings.warn(
+                    f"diffckpt: nothing continues session g{plan.base.gen} after step {plan.target} "
+                    f"(a segment is missing before {beyond[0].path}); its steps up to "
+                    f"{max(s.last for s in beyond)} cannot be rebuilt. Restoring step {plan.target}, "
+                    "the newest step before the gap", stacklevel=3)
+            return plan, info, tree
+        raise CorruptRecordError(
+            f"no usable base for {'the newest step' if step is None else f'step {step}'} under "
+            f"{self.storage.url}: {'; '.join(problems)}. Restore an earlier step (see `diffckpt ls`) "
+            "or check the storage with `diffckpt verify`")
 
     def durable_ranges(self, inv: Inventory) -> str:
         parts = []

@@ -191,12 +191,14 @@ class BackgroundWriter:
         name = SegmentName(self._after, records[-1]["step"], self.gen)
         header = {"gen": self.gen, "after": self._after, "last": name.last}
         start = time.monotonic()
-        data = encode_segment(header, records, self.options.compression, self.options.compression_level)
+        info: dict[str, Any] = {}
+        data = encode_segment(header, records, self.options.compression, self.options.compression_level, info)
         self.store.storage.write(name.path, data)
         self.stats.write_seconds += time.monotonic() - start
         self.stats.segments += 1
         self.stats.records += len(records)
         self.stats.segment_bytes += len(data)
+        self.stats.raw_record_bytes += info["raw_bytes"]
         self._after = name.last
         self.durable_step = name.last
 

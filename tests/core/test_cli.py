@@ -84,8 +84,7 @@ newest durable step 13 (g1): ckpt_path="<TMP>/run" (or "last" with DiffCheckpoin
 sessions
   gen  started                  resumed_from  durable  newest  ckpt_path
   g1   2023-11-14 22:13:20 UTC  0             0..13    13      <TMP>/run/step=13
-  g1 settings: base_every_n_steps=5 compression=none compression_level=1 every_n_steps=1 \
-fingerprint_every_n_steps=2 max_pending_bytes=1073741824 write_batch=3
+  g1 settings: base_every_n_steps=5 compression=none compression_level=1 every_n_steps=1 fingerprint_every_n_steps=2 max_pending_bytes=268435456 write_batch=3
 
 bases
   step  gen  size     path
@@ -102,10 +101,10 @@ segments
   10..13       g1   3      7.7 KiB  diffs/000000000010-000000000013.g000001.seg
 
 totals
-  on storage  48.3 KiB (49488 B)
+  on storage  48.3 KiB (49487 B)
   bases       13.9 KiB (14272 B)
   diffs       33.6 KiB (34434 B) over 13 steps, 2.6 KiB per step
-  other       782 B (782 B)
+  other       781 B (781 B)
 
 resume any durable step N with ckpt_path="<TMP>/run/step=N"
 """
@@ -201,7 +200,8 @@ def test_verify_truncated_base(run: Run, capsys: Cap) -> None:
     rc, out, _ = cli(capsys, "verify", root)
     assert rc == 1
     assert f"BAD {name}: fails its checksum" in out
-    assert "BAD replay: step 13:" in out  # the newest step is rebuilt from that base
+    # the newest step is rebuilt from the older base 5 instead, and verify reports that it had to
+    assert "BAD replay: diffckpt: " in out and "using the older base at step 5 instead, restoring step 13" in out
 
 
 def test_verify_notes_uncommitted_base(run: Run, capsys: Cap) -> None:

@@ -69,6 +69,7 @@ class LM(L.LightningModule):
         if self.cfg == "scaler_skip" and self.global_step in (5, 11):
             loss = loss * float("inf")  # GradScaler finds inf gradients and skips this step
         if self.cfg != "manual2":
+            self.log("train_loss", loss)
             return loss
         opt1, opt2 = self.optimizers()
         opt1.zero_grad()
@@ -140,9 +141,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--base-every", type=int, default=10)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--devices", type=int, default=1)
+    ap.add_argument("--model-checkpoint", help="also save ModelCheckpoints (through DiffCheckpointIO) here")
     args = ap.parse_args(argv)
 
     kwargs, steps = CONFIGS[args.config]
+    torch.set_num_threads(1)  # same kernels and reduction order in every process
     L.seed_everything(7, verbose=False)
     torch.use_deterministic_algorithms(True)
     model = LM(args.config, steps)
@@ -159,6 +162,11 @@ def main(argv: list[str] | None = None) -> None:
         callbacks.append(DiffCheckpoint(args.dirpath, write_batch=args.write_batch,
                                         base_every_n_steps=args.base_every, fingerprint_every_n_steps=5))
         plugins.append(DiffCheckpointIO())
+        if args.model_checkpoint:
+            from lightning.pytorch.callbacks import ModelCheckpoint
+
+            callbacks.append(ModelCheckpoint(dirpath=args.model_checkpoint, every_n_train_steps=5,
+                                             save_top_k=2, monitor="train_loss", save_last=True))
     ddp = {"strategy": "ddp", "devices": args.devices} if args.devices > 1 else {"devices": 1}
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, **ddp,
                         enable_progress_bar=False, enable_model_summary=False,

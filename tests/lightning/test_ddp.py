@@ -1,0 +1,36 @@
+"""DDP on CPU (gloo, 2 processes): rank 0 writes, every rank resumes bit-exactly."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from helpers import assert_bitwise_equal, run_script
+from test_exactness import SEED, SCRIPT
+
+DDP = ["--devices", "2"]
+
+
+@pytest.fixture(scope="module")
+def ddp_reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp_ref") / "ref.pt"
+    rc, log = run_script(SCRIPT, ["adamw", str(out), "--no-lib", *DDP])
+    assert rc == 0, log[-3000:]
+    return [torch.load(out, weights_only=False), torch.load(f"{out}.rank1", weights_only=False)]
+
+
+@pytest.mark.parametrize("trial", [0, 1])
+def test_ddp_kill9_mid_epoch_resume_is_bitwise_identical_on_every_rank(trial, ddp_reference, tmp_path):
+    kill_at = random.Random(f"{SEED}-ddp-{trial}").randrange(4, 27)
+    run = str(tmp_path / "run")
+    rc, log = run_script(SCRIPT, ["adamw", str(tmp_path / "x.pt"), "--dirpath", run, *DDP], kill_at_step=kill_at)
+    assert rc == -9, log[-2000:]
+    out = tmp_path / "resumed.pt"
+    rc, log = run_script(SCRIPT, ["adamw", str(out), "--dirpath", run, "--resume", *DDP])
+    assert rc == 0, log[-3000:]
+    assert "Restoring states from the checkpoint path" in log
+    resumed = [torch.load(out, weights_only=False), torch.load(f"{out}.rank1", weights_only=False)]
+    for rank in (0, 1):  # model, optimizer, schedulers and each rank's own RNG streams
+        assert_bitwise_equal(ddp_reference[rank], resumed[rank])

@@ -1,0 +1,130 @@
+"""Lightning integration beyond exactness: references from ModelCheckpoint, preemption,
+fsspec URLs, refusals and mismatches."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import lightning as L
+import pytest
+import torch
+
+import diffckpt
+from diffckpt.errors import IncompatibleCheckpointError, UnsupportedConfigurationError
+from helpers import ROOT, assert_bitwise_equal, run_script, subprocess_env
+from lightning_ckpt import DiffCheckpoint, DiffCheckpointIO
+from test_exactness import SCRIPT, reference  # noqa: F401  (fixture)
+
+import train_script
+
+
+def test_model_checkpoint_saves_become_references_and_resume_exactly(tmp_path, reference):  # noqa: F811
+    run, mc = tmp_path / "run", tmp_path / "mc"
+    rc, log = run_script(SCRIPT, ["adamw", str(tmp_path / "out.pt"), "--dirpath", str(run),
+                                  "--model-checkpoint", str(mc)])
+    assert rc == 0, log[-3000:]
+    files = sorted(p.name for p in mc.iterdir())
+    assert "last.ckpt" in files and len(files) == 3, files  # save_top_k=2 removed the others
+    refs = {name: json.loads((mc / name).read_text()) for name in files}
+    assert all(r["format"] == "diffckpt-ref" and r["run"] == str(run) for r in refs.values())
+    assert refs["last.ckpt"]["step"] % 5 == 0 and refs["last.ckpt"]["step"] >= 25
+    # Removal deleted references only: every step of the run is still restorable.
+    for step in (5, 10, 29):
+        assert diffckpt.load_state(str(run), step=step)["step"] == step
+    # A top-k reference resumes that exact step; training on matches the reference run.
+    name, ref = next((n, r) for n, r in refs.items() if n != "last.ckpt")
+    out = tmp_path / "resumed.pt"
+    rc, log = run_script(SCRIPT, ["adamw", str(out), "--dirpath", str(tmp_path / "run2"),
+                                  "--ckpt-path", str(mc / name)])
+    assert rc == 0, log[-3000:]
+    first = next(int(x.split()[1]) for x in log.split("Restored all states")[1].splitlines() if x.startswith("STEP"))
+    assert first in (ref["step"], ref["step"] + 1), (first, ref)
+    assert_bitwise_equal(reference("adamw"), torch.load(out, weights_only=False))
+
+
+def test_sigterm_flushes_pending_diffs_before_exit(tmp_path):
+    run = tmp_path / "run"
+    cmd = [sys.executable, os.path.join(ROOT, SCRIPT), "adamw", str(tmp_path / "x.pt"), "--dirpath", str(run),
+           "--write-batch", "64", "--base-every", "1000"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=subprocess_env())
+    seen = 0
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("STEP "):
+            seen = int(line.split()[1])
+            if seen >= 7:
+                proc.send_signal(signal.SIGTERM)
+                break
+    proc.stdout.read()
+    proc.wait(timeout=120)
+    # write_batch=64 would hold everything in memory; the flush on SIGTERM made it durable.
+    newest = diffckpt.load_state(str(run))["step"]
+    assert newest >= seen, (newest, seen)
+
+
+def test_memory_url_run_and_resume_in_process(tmp_path, reference):  # noqa: F811
+    url = "memory://diffckpt-test/run"
+    train_script.main(["adamw", str(tmp_path / "full.pt"), "--dirpath", url])
+    assert diffckpt.load_state(url)["step"] == 30
+    train_script.main(["adamw", str(tmp_path / "resumed.pt"), "--dirpath", "memory://diffckpt-test/run2",
+                       "--ckpt-path", f"{url}/step=13"])
+    assert_bitwise_equal(reference("adamw"), torch.load(tmp_path / "resumed.pt", weights_only=False))
+
+
+class _Tiny(L.LightningModule):
+    def __init__(self, width: int = 4, optimizer: str = "adamw"):
+        super().__init__()
+        self.layer = torch.nn.Linear(width, 1)
+        self.optimizer = optimizer
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch).pow(2).mean()
+
+    def configure_optimizers(self):
+        if self.optimizer == "lbfgs":
+            return torch.optim.LBFGS(self.parameters())
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+        return torch.optim.AdamW(self.parameters(), lr=0.1)
+
+
+def _fit(tmp_path, module, steps=4, ckpt_path=None, **kwargs):
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, plugins=[DiffCheckpointIO()],
+                        callbacks=[DiffCheckpoint(str(tmp_path / "run"), write_batch=2)], **kwargs)
+    data = torch.utils.data.DataLoader(torch.randn(16, module.layer.in_features), batch_size=4)
+    trainer.fit(module, data, ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_fresh_run_with_last_starts_from_scratch(tmp_path):
+    with pytest.warns(UserWarning, match="no last checkpoint"):
+        trainer = _fit(tmp_path, _Tiny(), ckpt_path="last")
+    assert trainer.global_step == 4 and diffckpt.load_state(str(tmp_path / "run"))["step"] == 4
+
+
+def test_closure_optimizer_is_refused_at_setup(tmp_path):
+    with pytest.raises(UnsupportedConfigurationError, match="LBFGS"):
+        _fit(tmp_path, _Tiny(optimizer="lbfgs"))
+
+
+def test_resume_with_a_different_model_or_optimizer_is_refused(tmp_path):
+    _fit(tmp_path, _Tiny())
+    with pytest.raises(IncompatibleCheckpointError, match="different model"):
+        _fit(tmp_path, _Tiny(width=5), steps=8, ckpt_path="last")
+    with pytest.raises(IncompatibleCheckpointError, match="optimizer"):
+        _fit(tmp_path, _Tiny(optimizer="sgd"), steps=8, ckpt_path="last")
+    # The run itself is untouched by the refused attempts.
+    assert diffckpt.load_state(str(tmp_path / "run"))["step"] == 4
+
+
+def test_sharded_strategies_are_refused(tmp_path):
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    # FSDP and DeepSpeed cannot even be constructed on a CPU-only machine; ModelParallel can.
+    with pytest.raises(UnsupportedConfigurationError, match="ModelParallelStrategy"):
+        _fit(tmp_path, _Tiny(), strategy=ModelParallelStrategy(), devices=1)
