@@ -87,13 +87,23 @@ class StepCapture:
         self.optimizers = list(optimizers)
         self._events: list[dict[str, Any]] = []
         self._paused = False
-        self._handles = [
-            opt.register_step_post_hook(self._make_hook(i)) for i, opt in enumerate(self.optimizers)
-        ]
+        self._depth = [0] * len(self.optimizers)
+        self._handles = []
+        for i, opt in enumerate(self.optimizers):
+            self._handles.append(opt.register_step_pre_hook(self._make_pre_hook(i)))
+            self._handles.append(opt.register_step_post_hook(self._make_hook(i)))
+
+    def _make_pre_hook(self, index: int):
+        def pre_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            self._depth[index] += 1
+        return pre_hook
 
     def _make_hook(self, index: int):
         def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            if self._paused:
+            # A subclass whose step() calls super().step() fires the hooks once per level;
+            # only the outermost step is the one training took.
+            self._depth[index] = max(0, self._depth[index] - 1)
+            if self._paused or self._depth[index]:
                 return
             grads = [[None if p.grad is None else p.grad.detach().clone() for p in g["params"]]
                      for g in optimizer.param_groups]

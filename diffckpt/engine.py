@@ -49,6 +49,7 @@ class CheckpointEngine:
         self._prev_step = 0
         self._last_base = 0
         self._buffer_names: list[str] = []
+        self._durable: int | None = None
 
     # ------------------------------------------------------------------ training
     @property
@@ -146,8 +147,18 @@ class CheckpointEngine:
         if self.writer:
             self.writer.check()
 
+    @property
+    def durable_step(self) -> int | None:
+        """Newest step the current (or last) session made durable; still valid after
+        :meth:`close` and after a background write failed, when ``close()`` raised instead."""
+        return self.writer.durable_step if self.writer else self._durable
+
     def close(self) -> int | None:
-        """Flush, stop the writer and remove the capture hooks; return the durable step."""
+        """Flush, stop the writer and remove the capture hooks; return the durable step.
+
+        A background error is raised here if it was not raised before, or again if it was; the
+        session is closed either way and :attr:`durable_step` tells how far it got.
+        """
         durable = None
         try:
             if self.writer:
@@ -155,6 +166,8 @@ class CheckpointEngine:
         finally:
             if self.capture:
                 self.capture.remove()
+            if self.writer:
+                self._durable = self.writer.durable_step
             self.writer = self.capture = None
         return durable
 

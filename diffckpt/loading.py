@@ -60,13 +60,13 @@ def load_state(url: str | os.PathLike[str] | Storage, step: int | None = None, *
         for group, group_names in zip(opt_state["param_groups"], groups_names):
             hyper = {k: v for k, v in group.items() if k != "params"}
             groups.append({"params": [params[n] for n in group_names], **hyper})
-        optimizers.append(cls(groups))
+        optimizers.append(cls(groups))  # type: ignore[call-arg]  # concrete classes default the rest
 
     def load(sd: dict[str, torch.Tensor]) -> None:
         for k, t in model.items():
             t.copy_(sd[k])
 
-    result: ReplayResult = replay(store, plan, ReplayTarget(params, buffers, load), optimizers, verify=verify,
-                                  loaded=(info, base))
+    result: ReplayResult = replay(store, plan, ReplayTarget(params, buffers, load), optimizers,
+                                  verify=verify, loaded=(info, base))
     return {"step": result.step, "model": model, "optimizers": [o.state_dict() for o in optimizers],
             "state": result.state, "base_step": result.base_step, "replayed": result.replayed}

@@ -9,15 +9,20 @@ way; a mismatch raises instead of returning a wrong state.
 from __future__ import annotations
 
 import logging
-from dataclasses import replace as _replace
 import warnings
 from dataclasses import dataclass, field
+from dataclasses import replace as _replace
 from typing import Any
 
 import torch
 
 from .capture import fingerprint
-from .errors import CheckpointNotFoundError, CorruptRecordError, IncompatibleCheckpointError, ReplayMismatchError
+from .errors import (
+    CheckpointNotFoundError,
+    CorruptRecordError,
+    IncompatibleCheckpointError,
+    ReplayMismatchError,
+)
 from .store import RestorePlan, RunStore
 
 __all__ = ["ReplayResult", "ReplayTarget", "replay", "load_into"]
@@ -39,25 +44,28 @@ class ReplayResult:
 @dataclass
 class ReplayTarget:
     """The tensors replay writes into: parameters by name (replay and fingerprints follow the
-    order training recorded), buffers by name, and how to load a model state dict into them.
-    ``load`` raises ``RuntimeError`` for a state dict of another model."""
+    order training recorded), buffers by name, how to load a model state dict into them and,
+    optionally, how to check one without loading it. Both raise ``RuntimeError`` for a state
+    dict of another model."""
 
     params: dict[str, torch.Tensor]
     buffers: dict[str, torch.Tensor]
     load: Any  # Callable[[dict[str, Tensor]], None]
+    check: Any = None  # Callable[[dict[str, Tensor]], None]: raise RuntimeError, load nothing
 
     @classmethod
     def from_module(cls, module: torch.nn.Module) -> ReplayTarget:
         return cls(dict(module.named_parameters()), dict(module.named_buffers()),
-                   lambda sd: _load_module(module, sd))
+                   lambda sd: module.load_state_dict(sd, strict=True),
+                   lambda sd: _check_module(module, sd))
 
 
-def _load_module(module: torch.nn.Module, sd: dict[str, Any]) -> None:
-    # Compared before loading: load_state_dict copies every matching tensor before it reports
+def _check_module(module: torch.nn.Module, sd: dict[str, Any]) -> None:
+    # Checked before loading: load_state_dict copies every matching tensor before it reports
     # the mismatched ones, which would leave the module half-loaded.
     own = module.state_dict()
-    problems = [f"missing {k!r}" for k in sd if k not in own][:3]
-    problems += [f"{k!r} is not in the checkpoint" for k in own if k not in sd][:3]
+    problems = [f"{k!r} is in the checkpoint, not in this model" for k in sd if k not in own][:3]
+    problems += [f"{k!r} is in this model, not in the checkpoint" for k in own if k not in sd][:3]
     for k, mine in own.items():
         theirs = sd.get(k)
         if isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor) and (
@@ -66,15 +74,14 @@ def _load_module(module: torch.nn.Module, sd: dict[str, Any]) -> None:
                             f"{mine.dtype}{list(mine.shape)} here")
     if problems:
         raise RuntimeError("; ".join(problems[:6]))
-    module.load_state_dict(sd, strict=True)
 
 
 def _qualname(obj: object) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
-def _check_optimizers(target: ReplayTarget, optimizers: list[torch.optim.Optimizer], base: dict[str, Any],
-                      meta: dict[str, Any], where: str) -> None:
+def _check_optimizers(target: ReplayTarget, optimizers: list[torch.optim.Optimizer],
+                      base: dict[str, Any], meta: dict[str, Any], where: str) -> None:
     saved = base["optimizers"]
     if len(optimizers) != len(saved):
         raise IncompatibleCheckpointError(
@@ -117,8 +124,10 @@ def load_into(target: ReplayTarget, optimizers: list[torch.optim.Optimizer], bas
     checked is checked before anything is loaded, so on :class:`IncompatibleCheckpointError` the
     model and optimizers are left as they were.
     """
-    _check_optimizers(target, optimizers, base, meta or {}, where)
     try:
+        if target.check is not None:
+            target.check(base["model"])
+        _check_optimizers(target, optimizers, base, meta or {}, where)
         target.load(base["model"])
     except RuntimeError as exc:
         raise IncompatibleCheckpointError(
@@ -192,8 +201,8 @@ def replay(store: RunStore, plan: RestorePlan, target: ReplayTarget | torch.nn.M
     last_applied = plan.base.step
     with torch.no_grad():
         for record, problem in store.read_records(plan):
-            if problem is not None:
-                result.problems.append(problem)
+            if problem is not None or record is None:
+                result.problems.append(problem or "no record")
                 break
             step = record["step"]
             for event in record["events"]:

@@ -149,10 +149,7 @@ class _Explained:
 
     def __init__(self, inner: Storage) -> None:
         self.inner = inner
-
-    @property
-    def url(self) -> str:
-        return self.inner.url
+        self.url = inner.url
 
     def _call(self, action: str, path: str, fn: Any, *args: Any) -> Any:
         try:

@@ -230,11 +230,19 @@ class RunStore:
             "or check the storage with `diffckpt verify`")
 
     def durable_ranges(self, inv: Inventory) -> str:
+        """Durable steps per session as merged ranges, e.g. ``g1: 0..5, 10..13``."""
         parts = []
         for gen in sorted({b.gen for b in inv.bases}):
-            lo = min(b.step for b in inv.bases if b.gen == gen)
-            parts.append(f"g{gen}: {lo}..{inv.newest_step(gen)}")
-        return ", ".join(parts) or "none"
+            spans: list[list[int]] = []
+            for base in sorted(b for b in inv.bases if b.gen == gen):
+                chain = inv.chain(base)
+                end = chain[-1].last if chain else base.step
+                if spans and base.step <= spans[-1][1]:
+                    spans[-1][1] = max(spans[-1][1], end)
+                else:
+                    spans.append([base.step, end])
+            parts.append(f"g{gen}: " + ", ".join(f"{lo}..{hi}" for lo, hi in spans))
+        return "; ".join(parts) or "none"
 
     # ---------------------------------------------------------------- reading
     def load_base(self, base: BaseName) -> tuple[dict[str, Any], Any]:
@@ -281,6 +289,8 @@ class RunStore:
                     return
                 yield record, None
                 prev = record["step"]
+            if prev >= plan.target:  # damage after the target does not concern it
+                return
             if problem is not None:
                 yield None, problem
                 return

@@ -106,17 +106,19 @@ class DiffCheckpoint(ModelCheckpoint):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         step = trainer.global_step
         self._last_recorded = step
+        restored = self._restored is not None and self._restored[0] == step
+        if not restored and trainer.world_size > 1:
+            self._rank_states = self._gather_rank_states(trainer)
         if not self.is_writer:
             self.engine.follow(step, base=True)
+            self._restored = None
             return
         optimizers = list(trainer.optimizers)
         self.engine.start(pl_module, optimizers, step, meta={
             "framework": f"lightning {pl.__version__}", "torch": torch.__version__,
             "strategy": type(trainer.strategy).__name__, "world_size": trainer.world_size})
-        if self._restored is not None and self._restored[0] == step:
-            state = self._restored[1]
-        else:
-            state = self._small_state(trainer)
+        state = self._restored[1] if restored else self._small_state(trainer)
+        self._rank_states = None
         self.engine.write_base(step, pl_module.state_dict(), [o.state_dict() for o in optimizers], state)
         self._restored = None
 

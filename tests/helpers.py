@@ -24,7 +24,8 @@ def subprocess_env() -> dict[str, str]:
 
 def run_script(script: str, args: list[str], kill_at_step: int | None = None, timeout: float = 300,
                prefix: list[str] | None = None) -> tuple[int, str]:
-    """Run a training script; with ``kill_at_step``, SIGKILL it once it prints ``STEP <n>``."""
+    """Run a training script; with ``kill_at_step``, SIGKILL it once it prints ``STEP <n>`` with
+    ``n >= kill_at_step`` (steps can advance by more than one, e.g. with two optimizers)."""
     cmd = (prefix or [sys.executable]) + [os.path.join(ROOT, script), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=subprocess_env(), start_new_session=True)
@@ -32,7 +33,7 @@ def run_script(script: str, args: list[str], kill_at_step: int | None = None, ti
     assert proc.stdout is not None
     for line in proc.stdout:
         lines.append(line)
-        if kill_at_step is not None and line.strip() == f"STEP {kill_at_step}":
+        if kill_at_step is not None and line.startswith("STEP ") and int(line.split()[1]) >= kill_at_step:
             os.killpg(proc.pid, signal.SIGKILL)
             break
     proc.stdout.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 import sys
 from collections.abc import Callable
@@ -179,7 +180,10 @@ def test_verify_flipped_byte_in_segment(run: Run, capsys: Cap) -> None:
     root, _ = run
     name = "diffs/000000000003-000000000005.g000001.seg"
     data = bytearray((root / name).read_bytes())
-    data[len(data) // 2] ^= 0x01
+    (hlen,) = struct.unpack_from("<I", data, 8)
+    first = json.loads(data[12 : 12 + hlen])["records"][0]
+    assert first["step"] == 4
+    data[12 + hlen + first["length"] // 2] ^= 0x01  # inside the record of step 4
     (root / name).write_bytes(bytes(data))
     rc, out, _ = cli(capsys, "verify", root)
     assert rc == 1

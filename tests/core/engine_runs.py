@@ -1,0 +1,158 @@
+"""Small real training runs driven through the core engine, with the true state kept per step.
+
+Every step's data comes from a generator seeded with the step number, so a run resumed from any
+step continues exactly like the uninterrupted one and the kept truth applies to both.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import struct
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from helpers import assert_bitwise_equal
+
+from diffckpt import CheckpointEngine, CheckpointOptions, FsspecStorage, ReplayResult
+from diffckpt.capture import clone_tree
+
+Maker = Callable[[], tuple[torch.nn.Module, list[torch.optim.Optimizer]]]
+Truth = dict[int, dict[str, Any]]  # step -> {"model", "optimizers", "state"} as they truly were
+OPTIONS = {"write_batch": 3, "base_every_n_steps": 5, "fingerprint_every_n_steps": 2}
+
+
+def make() -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 1))
+    return m, [torch.optim.AdamW(m.parameters(), lr=1e-2)]
+
+
+def snapshot(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
+             step: int) -> dict[str, Any]:
+    return {**untouched(module, optimizers), "state": {"x": step}}
+
+
+def train_steps(engine: CheckpointEngine, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
+                first: int, last: int, truth: dict[int, dict[str, Any]], every: int = 1) -> None:
+    """Train steps ``first..last`` (inclusive), recording each one; steps not divisible by
+    ``every`` are not restorable points."""
+    for step in range(first, last + 1):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        for o in optimizers:
+            o.zero_grad()
+        module(x).pow(2).mean().backward()
+        for o in optimizers:
+            o.step()
+        truth[step] = snapshot(module, optimizers, step)
+        engine.record_step(step, {"x": step} if step % every == 0 else None)
+        if engine.wants_base(step):
+            engine.write_base(step, module.state_dict(), [o.state_dict() for o in optimizers], {"x": step})
+
+
+def train(dirpath: Any, steps: int = 13, maker: Maker = make, every: int = 1,
+          truth: Truth | None = None, **options: Any) -> tuple[Truth, int | None]:
+    """Train ``steps`` steps from scratch into ``dirpath``; return ``(truth per step, durable step)``."""
+    module, optimizers = maker()
+    truth = {} if truth is None else truth
+    engine = CheckpointEngine(dirpath, CheckpointOptions(**{**OPTIONS, **options}))
+    engine.start(module, optimizers, 0)
+    truth[0] = snapshot(module, optimizers, 0)
+    engine.write_base(0, module.state_dict(), [o.state_dict() for o in optimizers], {"x": 0})
+    train_steps(engine, module, optimizers, 1, steps, truth, every)
+    return truth, engine.close()
+
+
+def restore(dirpath: Any, step: int | None = None, maker: Maker = make, **kwargs: Any
+            ) -> tuple[ReplayResult, torch.nn.Module, list[torch.optim.Optimizer]]:
+    module, optimizers = maker()
+    result = CheckpointEngine(dirpath).restore(module, optimizers, step, **kwargs)
+    return result, module, optimizers
+
+
+def assert_state(truth: dict[int, dict[str, Any]], result: ReplayResult, module: torch.nn.Module,
+                 optimizers: list[torch.optim.Optimizer]) -> None:
+    """What was restored is bitwise the true state at the step it claims."""
+    assert result.state == truth[result.step]["state"]
+    assert_bitwise_equal(truth[result.step]["model"], module.state_dict())
+    assert_bitwise_equal(truth[result.step]["optimizers"], [o.state_dict() for o in optimizers])
+
+
+def untouched(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
+    """Copies of the model's and optimizers' states as they are now."""
+    return {"model": clone_tree(module.state_dict()),
+            "optimizers": [clone_tree(o.state_dict()) for o in optimizers]}
+
+
+# ------------------------------------------------------------------------------ damage
+def seg(root: Path, after: int, last: int, gen: int = 1) -> Path:
+    return root / "diffs" / f"{after:012d}-{last:012d}.g{gen:06d}.seg"
+
+
+def base_dir(root: Path, step: int, gen: int = 1) -> Path:
+    return root / "bases" / f"{step:012d}.g{gen:06d}"
+
+
+def record_span(data: bytes, step: int) -> tuple[int, int]:
+    """``(offset, length)`` of the record blob of ``step`` inside a segment."""
+    (hlen,) = struct.unpack_from("<I", data, 8)
+    offset = 12 + hlen
+    for entry in json.loads(data[12 : 12 + hlen])["records"]:
+        if entry["step"] == step:
+            return offset, entry["length"]
+        offset += entry["length"]
+    raise KeyError(step)
+
+
+def flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+# ------------------------------------------------------------------- storage wrappers
+class FaultyStorage:
+    """A :class:`diffckpt.Storage` over a real :class:`FsspecStorage` that fails its ``fail_at``-th
+    write with ``OSError(code)`` (what a full or read-only disk raises) and may add latency.
+
+    After the failure it keeps refusing writes, as a full disk would."""
+
+    def __init__(self, root: str, fail_at: int | None = None, code: int = errno.ENOSPC,
+                 latency: float = 0.0) -> None:
+        self.inner = FsspecStorage(root)
+        self.url = self.inner.url
+        self.fail_at = fail_at
+        self.code = code
+        self.latency = latency
+        self.writes = 0
+        self.written: list[str] = []
+        self.failed: list[str] = []
+        self.failed_on: list[str] = []  # thread names
+
+    def write(self, path: str, data: bytes) -> None:
+        if self.latency:
+            time.sleep(self.latency)
+        self.writes += 1
+        if self.fail_at is not None and self.writes >= self.fail_at:
+            self.failed.append(path)
+            self.failed_on.append(threading.current_thread().name)
+            raise OSError(self.code, os.strerror(self.code), path)
+        self.inner.write(path, data)
+        self.written.append(path)
+
+    def read(self, path: str) -> bytes:
+        return self.inner.read(path)
+
+    def list(self, prefix: str) -> dict[str, int]:
+        return self.inner.list(prefix)
+
+    def delete(self, path: str) -> None:
+        self.inner.delete(path)
+
+    def exists(self, path: str) -> bool:
+        return self.inner.exists(path)

@@ -1,0 +1,37 @@
+"""The public API is each package's ``__all__``; changes to it must be deliberate."""
+
+import diffckpt
+import lightning_ckpt
+
+
+def test_core_public_api():
+    assert sorted(diffckpt.__all__) == [
+        "CheckpointEngine", "CheckpointNotFoundError", "CheckpointOptions", "CorruptRecordError",
+        "DiffCkptError", "FsspecStorage", "IncompatibleCheckpointError", "ReplayMismatchError",
+        "ReplayResult", "Storage", "StorageError", "UnsupportedConfigurationError", "load_state",
+        "open_storage",
+    ]
+    assert all(hasattr(diffckpt, name) for name in diffckpt.__all__)
+
+
+def test_lightning_public_api():
+    assert sorted(lightning_ckpt.__all__) == ["DiffCheckpoint", "DiffCheckpointIO"]
+
+
+def test_error_tree_inherits_builtins():
+    assert issubclass(diffckpt.CorruptRecordError, ValueError)
+    assert issubclass(diffckpt.CheckpointNotFoundError, FileNotFoundError)
+    assert issubclass(diffckpt.StorageError, OSError)
+    for name in ("CorruptRecordError", "CheckpointNotFoundError", "IncompatibleCheckpointError",
+                 "ReplayMismatchError", "UnsupportedConfigurationError", "StorageError"):
+        assert issubclass(getattr(diffckpt, name), diffckpt.DiffCkptError)
+
+
+def test_core_imports_no_framework():
+    import subprocess
+    import sys
+
+    code = ("import sys, diffckpt, diffckpt.cli; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning', 'accelerate')]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
