@@ -63,7 +63,7 @@ class DiffCheckpoint(ModelCheckpoint):
         self._pending_rng: dict[str, Any] | None = None
         self._pending_at = "batch_start"
         self._capture_at = "batch_start"
-        self._deferred: str | None = None
+        self._deferred = False
         self._restored: tuple[int, Any] | None = None
         self._rank_states: list[dict[str, Any]] | None = None
         self._order = SamplerOrderTracker()
@@ -144,7 +144,8 @@ class DiffCheckpoint(ModelCheckpoint):
                            batch: Any, batch_idx: int) -> None:
         if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch and trainer.global_step != self._last_recorded:
             # The last step of an epoch is recorded at on_train_epoch_end, after epoch-end
-            # validation, so the RNG state covers what validation drew from it.
+            # validation, so the RNG state covers what validation drew from it; a resume from it
+            # restores the RNG before the next epoch's iterator draws its order.
             self._deferred = True
             return
         self.record(trainer)
@@ -155,7 +156,7 @@ class DiffCheckpoint(ModelCheckpoint):
 
     def _record_deferred(self, trainer: pl.Trainer) -> None:
         if self._deferred:
-            self._deferred: str | None = None
+            self._deferred = False
             self._capture_at = "epoch_start"
             try:
                 self.record(trainer)
