@@ -63,7 +63,8 @@ class DiffCheckpoint(ModelCheckpoint):
         self._pending_rng: dict[str, Any] | None = None
         self._pending_at = "batch_start"
         self._capture_at = "batch_start"
-        self._deferred = False
+        self._deferred: str | None = None
+        self._pending_refs: list[tuple[str, int]] = []
         self._restored: tuple[int, Any] | None = None
         self._rank_states: list[dict[str, Any]] | None = None
         self._order = SamplerOrderTracker()
@@ -142,35 +143,52 @@ class DiffCheckpoint(ModelCheckpoint):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
-        if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch and trainer.global_step != self._last_recorded:
-            # The last step of an epoch is recorded at on_train_epoch_end, after epoch-end
-            # validation, so the RNG state covers what validation drew from it; a resume from it
-            # restores the RNG before the next epoch's iterator draws its order.
-            self._deferred = True
+        if trainer.global_step == self._last_recorded:
             return
-        self.record(trainer)
+        self._deferred = self._defer_reason(trainer)
+        if self._deferred is None:
+            self.record(trainer)
+
+    @staticmethod
+    def _defer_reason(trainer: pl.Trainer) -> str | None:
+        """Where to restore the RNG if this step's record must wait, else ``None``.
+
+        Validation and a new epoch's data iterator draw from the global RNG, and Lightning does
+        not run them again on resume. So a step followed by validation is recorded once that
+        is over (as ModelCheckpoint saves), the last step of an epoch at the epoch's end, and
+        on resume the RNG is restored at the next batch or before the next epoch's iterator.
+        """
+        loop = trainer.fit_loop.epoch_loop
+        if loop.batch_progress.is_last_batch:
+            return "epoch_start"
+        if loop._should_check_val_fx(trainer.fit_loop._data_fetcher):
+            return "batch_start"
+        return None
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking and self._deferred == "batch_start":
+            self._record_deferred(trainer)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._record_deferred(trainer)
         self.engine.check()
 
     def _record_deferred(self, trainer: pl.Trainer) -> None:
-        if self._deferred:
-            self._deferred = False
-            self._capture_at = "epoch_start"
+        if self._deferred is not None:
+            self._capture_at, self._deferred = self._deferred, None
             try:
                 self.record(trainer)
             finally:
                 self._capture_at = "batch_start"
 
-    def record(self, trainer: pl.Trainer, force_state: bool = False) -> None:
+    def record(self, trainer: pl.Trainer) -> None:
         """Record the optimizer steps taken since the last record (once per global step)."""
         step = trainer.global_step
         if step == self._last_recorded:
             return
         self._last_recorded = step
         engine = self.engine
-        wants_state = force_state or engine.wants_state(step)
+        wants_state = engine.wants_state(step)
         wants_base = engine.wants_base(step)
         if wants_state and trainer.world_size > 1:
             self._rank_states = self._gather_rank_states(trainer)
@@ -183,6 +201,14 @@ class DiffCheckpoint(ModelCheckpoint):
         if wants_base:
             module = trainer.lightning_module
             engine.write_base(step, module.state_dict(), [o.state_dict() for o in trainer.optimizers], state)
+        pending, self._pending_refs = self._pending_refs, []
+        for path, ref_step in pending:
+            if ref_step == step and state is None:
+                raise DiffCkptError(
+                    f"a checkpoint was saved at step {step} ({path}), which is not a restorable step "
+                    f"with every_n_steps={self.options.every_n_steps}; save checkpoints only at "
+                    "multiples of every_n_steps (e.g. ModelCheckpoint(every_n_train_steps=...))")
+            self._write_reference(path, ref_step)
 
     @staticmethod
     def _gather_rank_states(trainer: pl.Trainer) -> list[dict[str, Any]] | None:
@@ -237,6 +263,12 @@ class DiffCheckpoint(ModelCheckpoint):
             return
         durable = self.engine.close()
         self.durable_step = durable
+        pending, self._pending_refs = self._pending_refs, []
+        for path, step in pending:
+            if durable is not None and step <= durable:
+                write_reference(path, self.url, step, self.storage_options)
+            else:
+                log.warning("diffckpt: %s was not written: step %d never became durable", path, step)
         log.info("diffckpt: %s; durable up to step %s in %s", reason, durable, self.url)
 
     # ---------------------------------------------------------------- restore
@@ -246,6 +278,10 @@ class DiffCheckpoint(ModelCheckpoint):
         module = trainer.lightning_module
         engine = self.engine if url.rstrip("/") == self.url.rstrip("/") else CheckpointEngine(
             url, storage_options=self.storage_options)
+        # Replay where training ran: in the precision and on the device the strategy is about to
+        # give the module (Lightning restores before it does so itself).
+        trainer.precision_plugin.convert_module(module)
+        module.to(trainer.strategy.root_device)
         optimizers = _init_optimizers_and_lr_schedulers(module)[0]
         result = engine.restore(module, optimizers, step)
         ckpt = dict(result.state)
@@ -276,16 +312,30 @@ class DiffCheckpoint(ModelCheckpoint):
             self._order.replay = mine["sampler_rng"]
 
     def save_reference(self, step: int, path: str) -> None:
-        """Back a checkpoint that Lightning saves through DiffCheckpointIO with a reference."""
+        """Back a checkpoint that Lightning saves through DiffCheckpointIO with a reference.
+
+        The reference is written once the step's record is queued (after it, in order), so a
+        save made before DiffCheckpoint has recorded the step, or while its record waits for
+        validation or the epoch end, simply waits too.
+        """
         trainer = self._require_trainer()
         if not self.is_writer:
             return
-        if step == trainer.global_step and step != self._last_recorded:
-            self.record(trainer, force_state=True)
-        if not self.engine.started:
-            raise DiffCkptError(f"cannot save {path}: DiffCheckpoint has not started capturing yet")
-        url = self.url
-        self.engine.writer.call(lambda: write_reference(path, url, step, self.storage_options))
+        if step > self._last_recorded or (self._deferred is not None and step == trainer.global_step):
+            self._pending_refs.append((path, step))
+            return
+        self._write_reference(path, step)
+
+    def _write_reference(self, path: str, step: int) -> None:
+        url, options = self.url, self.storage_options
+        if self.engine.started:
+            self.engine.writer.call(lambda: write_reference(path, url, step, options))
+            return
+        durable = self.engine.durable_step
+        if durable is None or step > durable:
+            raise DiffCkptError(f"cannot save {path}: step {step} is not durable in {url} "
+                                f"(durable up to {durable}); save while DiffCheckpoint is capturing")
+        write_reference(path, url, step, options)
 
     def remove_reference(self, path: str, remove: Any) -> None:
         """Remove a reference after everything queued before it (removals never overtake saves)."""

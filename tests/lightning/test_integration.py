@@ -12,6 +12,7 @@ import sys
 import lightning as L
 import pytest
 import torch
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 import diffckpt
 from diffckpt.errors import IncompatibleCheckpointError, UnsupportedConfigurationError
@@ -44,6 +45,27 @@ def test_model_checkpoint_saves_become_references_and_resume_exactly(tmp_path, r
     first = next(int(x.split()[1]) for x in log.split("Restored all states")[1].splitlines() if x.startswith("STEP"))
     assert first in (ref["step"], ref["step"] + 1), (first, ref)
     assert_bitwise_equal(reference("adamw"), torch.load(out, weights_only=False))
+
+
+@pytest.mark.parametrize("order", ["mc-first", "diff-first"])
+def test_references_at_epoch_ends_resume_exactly_in_either_callback_order(order, tmp_path, reference):  # noqa: F811
+    """Epoch-end steps are recorded after the epoch; a save there must wait for that record."""
+    run, mc = tmp_path / "run", tmp_path / "mc"
+    extra = ["--mc-first"] if order == "mc-first" else []
+    rc, log = run_script(SCRIPT, ["adamw", str(tmp_path / "out.pt"), "--dirpath", str(run), "--model-checkpoint",
+                                  str(mc), "--mc-every", "6", *extra])  # 6 steps per epoch
+    assert rc == 0, log[-3000:]
+    refs = {p.name: json.loads(p.read_text()) for p in mc.iterdir()}
+    steps = sorted(r["step"] for n, r in refs.items() if n != "last.ckpt")
+    assert any(step % 6 == 0 for step in steps), refs  # at least one epoch-end save
+    for name, ref in refs.items():
+        if name == "last.ckpt":
+            continue
+        out = tmp_path / f"resumed-{ref['step']}.pt"
+        rc, log = run_script(SCRIPT, ["adamw", str(out), "--dirpath", str(tmp_path / f"run-{ref['step']}"),
+                                      "--ckpt-path", str(mc / name)])
+        assert rc == 0, log[-3000:]
+        assert_bitwise_equal(reference("adamw"), torch.load(out, weights_only=False))
 
 
 def test_sigterm_flushes_pending_diffs_before_exit(tmp_path):
@@ -96,7 +118,8 @@ def _fit(tmp_path, module, steps=4, ckpt_path=None, **kwargs):
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_progress_bar=False,
                         enable_model_summary=False, plugins=[DiffCheckpointIO()],
                         callbacks=[DiffCheckpoint(str(tmp_path / "run"), write_batch=2)], **kwargs)
-    data = torch.utils.data.DataLoader(torch.randn(16, module.layer.in_features), batch_size=4)
+    inputs = torch.randn(16, module.layer.in_features, generator=torch.Generator().manual_seed(0))
+    data = StatefulDataLoader(inputs, batch_size=4)
     trainer.fit(module, data, ckpt_path=ckpt_path)
     return trainer
 
@@ -105,6 +128,18 @@ def test_fresh_run_with_last_starts_from_scratch(tmp_path):
     with pytest.warns(UserWarning, match="no last checkpoint"):
         trainer = _fit(tmp_path, _Tiny(), ckpt_path="last")
     assert trainer.global_step == 4 and diffckpt.load_state(str(tmp_path / "run"))["step"] == 4
+
+
+def test_bf16_true_resume_replays_in_training_precision(tmp_path):
+    torch.manual_seed(0)
+    full = _fit(tmp_path / "a", _Tiny(), steps=8, precision="bf16-true")
+    torch.manual_seed(0)
+    _fit(tmp_path / "b", _Tiny(), steps=3, precision="bf16-true")
+    torch.manual_seed(1)  # the resumed run must not depend on the RNG at start
+    resumed = _fit(tmp_path / "b", _Tiny(), steps=8, precision="bf16-true", ckpt_path="last")
+    assert resumed.lightning_module.layer.weight.dtype == torch.bfloat16
+    assert_bitwise_equal(full.lightning_module.state_dict(), resumed.lightning_module.state_dict())
+    assert_bitwise_equal(full.optimizers[0].state_dict(), resumed.optimizers[0].state_dict())
 
 
 def test_closure_optimizer_is_refused_at_setup(tmp_path):

@@ -142,6 +142,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--devices", type=int, default=1)
     ap.add_argument("--model-checkpoint", help="also save ModelCheckpoints (through DiffCheckpointIO) here")
+    ap.add_argument("--mc-every", type=int, default=5)
+    ap.add_argument("--mc-first", action="store_true", help="list ModelCheckpoint before DiffCheckpoint")
     args = ap.parse_args(argv)
 
     kwargs, steps = CONFIGS[args.config]
@@ -159,14 +161,16 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_lib:
         from lightning_ckpt import DiffCheckpoint, DiffCheckpointIO
 
-        callbacks.append(DiffCheckpoint(args.dirpath, write_batch=args.write_batch,
-                                        base_every_n_steps=args.base_every, fingerprint_every_n_steps=5))
+        diff = DiffCheckpoint(args.dirpath, write_batch=args.write_batch, base_every_n_steps=args.base_every,
+                              fingerprint_every_n_steps=5)
         plugins.append(DiffCheckpointIO())
+        callbacks.append(diff)
         if args.model_checkpoint:
             from lightning.pytorch.callbacks import ModelCheckpoint
 
-            callbacks.append(ModelCheckpoint(dirpath=args.model_checkpoint, every_n_train_steps=5,
-                                             save_top_k=2, monitor="train_loss", save_last=True))
+            mc = ModelCheckpoint(dirpath=args.model_checkpoint, every_n_train_steps=args.mc_every,
+                                 save_top_k=2, monitor="train_loss", save_last=True)
+            callbacks.insert(callbacks.index(diff) + (0 if args.mc_first else 1), mc)
     ddp = {"strategy": "ddp", "devices": args.devices} if args.devices > 1 else {"devices": 1}
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, **ddp,
                         enable_progress_bar=False, enable_model_summary=False,
