@@ -10,12 +10,16 @@ from __future__ import annotations
 import errno
 import os
 import uuid
+from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from .errors import CheckpointNotFoundError, DiffCkptError, StorageError
+
+Buffer = bytes | memoryview
+Data = bytes | Sequence[Buffer]
 
 __all__ = ["Storage", "FsspecStorage", "open_storage"]
 
@@ -26,8 +30,9 @@ class Storage(Protocol):
 
     url: str
 
-    def write(self, path: str, data: bytes) -> None:
-        """Write ``data`` so that readers see the whole object or nothing."""
+    def write(self, path: str, data: Data) -> None:
+        """Write ``data`` (bytes, or buffers to concatenate) so that readers see the whole object
+        or nothing."""
 
     def read(self, path: str) -> bytes:
         """Return the whole object; raise :class:`CheckpointNotFoundError` if it is absent."""
@@ -55,6 +60,11 @@ def _explain(exc: BaseException, action: str, where: str) -> StorageError:
     return StorageError(f"cannot {action} {where}: {exc} ({hint})")
 
 
+def as_bytes(data: Data) -> bytes:
+    """``data`` as one bytes object (joins a list of buffers)."""
+    return data if isinstance(data, bytes) else b"".join(data)
+
+
 class FsspecStorage:
     """:class:`Storage` over any fsspec file system.
 
@@ -71,26 +81,26 @@ class FsspecStorage:
     def _full(self, path: str) -> str:
         return f"{self.root}/{path}" if path else self.root
 
-    def write(self, path: str, data: bytes) -> None:
+    def write(self, path: str, data: Data) -> None:
         full = self._full(path)
         try:
             if self.local:
-                self._write_local(full, data)
+                self._write_local(full, [data] if isinstance(data, bytes) else data)
             else:
-                self.fs.pipe_file(full, data)
+                self.fs.pipe_file(full, as_bytes(data))
         except StorageError:
             raise
         except Exception as exc:  # fsspec backends raise many types
             raise _explain(exc, "write", f"{self.url}/{path}") from exc
 
     @staticmethod
-    def _write_local(full: str, data: bytes) -> None:
+    def _write_local(full: str, parts: Sequence[Buffer]) -> None:
         directory = os.path.dirname(full)
         os.makedirs(directory, exist_ok=True)
         tmp = os.path.join(directory, f".{os.path.basename(full)}.{uuid.uuid4().hex[:8]}.tmp")
         try:
             with open(tmp, "wb") as fh:
-                fh.write(data)
+                fh.writelines(parts)  # buffers go to the file without being joined first
                 fh.flush()
                 os.fsync(fh.fileno())
             os.replace(tmp, full)
@@ -161,7 +171,7 @@ class _Explained:
                 raise CheckpointNotFoundError(f"{self.url}/{path} does not exist") from None
             raise _explain(exc, action, f"{self.url}/{path}") from exc
 
-    def write(self, path: str, data: bytes) -> None:
+    def write(self, path: str, data: Data) -> None:
         self._call("write", path, self.inner.write, data)
 
     def read(self, path: str) -> bytes:

@@ -142,12 +142,45 @@ def _tensor(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
         raise CorruptRecordError(f"state tree refers to missing tensor {name!r}") from None
 
 
-def pack_tree(obj: Any) -> bytes:
-    """Serialize a tree to one safetensors buffer (structure in its metadata)."""
+# safetensors dtype names, in the order safetensors sorts tensors (descending) before writing them.
+_DTYPE_ORDER = ["BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "U16", "F16", "BF16", "I32", "U32",
+                "F32", "C64", "F64", "I64", "U64"]
+_DTYPE_NAMES = {
+    torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e4m3fn: "F8_E4M3", torch.int16: "I16", torch.uint16: "U16", torch.float16: "F16",
+    torch.bfloat16: "BF16", torch.int32: "I32", torch.uint32: "U32", torch.float32: "F32",
+    torch.complex64: "C64", torch.float64: "F64", torch.int64: "I64", torch.uint64: "U64",
+}
+
+
+def pack_parts(obj: Any) -> list[bytes | memoryview]:
+    """Serialize a tree to a safetensors buffer given as parts: the header, then each tensor's
+    memory as a zero-copy view (concatenated they are exactly what ``safetensors`` writes).
+
+    Zero-copy matters: the writer thread would otherwise copy every gradient twice while holding
+    the GIL, stalling the training thread.
+    """
     tensors: dict[str, torch.Tensor] = {}
     structure = encode_tree(obj, tensors)
     meta = json.dumps(structure, separators=(",", ":"), allow_nan=False)
-    return safetensors.torch.save(tensors, metadata={_META_KEY: meta})
+    order = sorted(tensors, key=lambda n: (-_DTYPE_ORDER.index(_DTYPE_NAMES[tensors[n].dtype]), n))
+    entries, views, offset = [], [], 0
+    for name in order:
+        t = tensors[name]
+        nbytes = t.numel() * t.element_size()
+        entries.append(f"{json.dumps(name)}:{{\"dtype\":\"{_DTYPE_NAMES[t.dtype]}\",\"shape\":"
+                       f"{json.dumps(list(t.shape), separators=(',', ':'))},\"data_offsets\":[{offset},{offset + nbytes}]}}")
+        views.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()) if nbytes else b"")
+        offset += nbytes
+    header = "{" + ",".join([f'"__metadata__":{{{json.dumps(_META_KEY)}:{json.dumps(meta)}}}', *entries]) + "}"
+    head = header.encode()
+    head += b" " * (-len(head) % 8)
+    return [struct.pack("<Q", len(head)), head, *views]
+
+
+def pack_tree(obj: Any) -> bytes:
+    """Serialize a tree to one safetensors buffer (structure in its metadata)."""
+    return b"".join(pack_parts(obj))
 
 
 def read_metadata(buf: bytes) -> dict[str, str]:

@@ -8,6 +8,7 @@ background error is kept and re-raised on the training thread (next put, flush o
 from __future__ import annotations
 
 import collections
+import hashlib
 import logging
 import threading
 import time
@@ -19,10 +20,10 @@ import torch
 
 from .capture import fingerprint
 from .errors import DiffCkptError
-from .format import BaseName, SegmentName, encode_commit, encode_segment, sha256
+from .format import BaseName, SegmentName, encode_commit, encode_segment_parts
 from .options import CheckpointOptions
 from .store import RunStore
-from .tree import pack_tree
+from .tree import pack_parts
 
 __all__ = ["BackgroundWriter", "WriterStats"]
 
@@ -192,12 +193,12 @@ class BackgroundWriter:
         header = {"gen": self.gen, "after": self._after, "last": name.last}
         start = time.monotonic()
         info: dict[str, Any] = {}
-        data = encode_segment(header, records, self.options.compression, self.options.compression_level, info)
-        self.store.storage.write(name.path, data)
+        parts = encode_segment_parts(header, records, self.options.compression, self.options.compression_level, info)
+        self.store.storage.write(name.path, parts)
         self.stats.write_seconds += time.monotonic() - start
         self.stats.segments += 1
         self.stats.records += len(records)
-        self.stats.segment_bytes += len(data)
+        self.stats.segment_bytes += sum(len(p) for p in parts)
         self.stats.raw_record_bytes += info["raw_bytes"]
         self._after = name.last
         self.durable_step = name.last
@@ -205,14 +206,18 @@ class BackgroundWriter:
     def _write_base(self, step: int, tree: dict[str, Any], params: list[torch.Tensor]) -> None:
         start = time.monotonic()
         name = BaseName(step, self.gen)
-        data = pack_tree(tree)
-        self.store.storage.write(name.state_path, data)
+        parts = pack_parts(tree)
+        self.store.storage.write(name.state_path, parts)
+        digest = hashlib.sha256()
+        for part in parts:
+            digest.update(part)
+        size = sum(len(p) for p in parts)
         commit = {"step": step, "gen": self.gen, "fingerprint": fingerprint(params),
-                  "files": {"state.safetensors": {"size": len(data), "sha256": sha256(data)}}}
+                  "files": {"state.safetensors": {"size": size, "sha256": digest.hexdigest()}}}
         self.store.storage.write(name.commit_path, encode_commit(commit))
         self.stats.write_seconds += time.monotonic() - start
         self.stats.bases += 1
-        self.stats.base_bytes += len(data)
+        self.stats.base_bytes += size
         self._after = step
         self._last_buffers = None
         self.durable_step = step if self.durable_step is None else max(self.durable_step, step)

@@ -332,7 +332,7 @@ def _read_segment_by_the_doc(data: bytes) -> tuple[dict[str, Any], list[Any]]:
     header_bytes = data[12 : 12 + h]
     header = json.loads(header_bytes)
     assert json.dumps(header, separators=(",", ":"), sort_keys=True).encode() == header_bytes
-    assert hashlib.sha256(data[:-32]).digest() == data[-32:]
+    assert hashlib.sha256(data[: 12 + h]).digest() == data[-32:]  # the trailer covers the lead
     offset = 12 + h
     records = []
     for entry in header["records"]:
@@ -381,7 +381,7 @@ def test_segment_header_bytes_at_documented_offsets() -> None:
     assert data[0x148:0x15A] == b'{"__metadata__":{"'
     assert data[0x510:0x518] == struct.pack("<Q", struct.unpack_from("<Q", data, 0x510)[0])
     assert read_metadata(data[0x510 : 0x510 + 1112])["diffckpt.tree"].startswith('{"dict":[["step",2]')
-    assert len(data) == 2440 and data[0x968:] == hashlib.sha256(data[:0x968]).digest()
+    assert len(data) == 2440 and data[0x968:] == hashlib.sha256(data[:0x140]).digest()
 
 
 def test_doc_hex_dump_matches_golden() -> None:
