@@ -265,7 +265,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            result = load_state(store.storage, step, allow_modules=tuple(args.allow_module))
+            result = load_state(store.storage, step, device=args.device, allow_modules=tuple(args.allow_module))
         for message in _reemit(caught):
             bad("replay", message)
         replay.update(step=result["step"], replayed=result["replayed"])
@@ -347,7 +347,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     _progress(f"replaying step {'newest' if step is None else step}")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = load_state(store.storage, step, verify=not args.no_verify,
+        result = load_state(store.storage, step, verify=not args.no_verify, device=args.device,
                             allow_modules=tuple(args.allow_module))
     _progress(f"writing {args.output}")
     data = _serialize(result, fmt)
@@ -379,6 +379,9 @@ def _parser() -> argparse.ArgumentParser:
     replaying.add_argument("--step", type=int, help="step to rebuild (default: newest durable)")
     replaying.add_argument("--allow-module", action="append", default=["torch."], metavar="MODULE",
                            help="also import optimizer classes from MODULE (default: torch.)")
+    replaying.add_argument("--device", default="cpu",
+                           help="replay on this device; use the device type training ran on (e.g. cuda) "
+                                "for a bit-exact result")
     as_json = argparse.ArgumentParser(add_help=False)
     as_json.add_argument("--json", action="store_true", help="print JSON for scripts")
 
