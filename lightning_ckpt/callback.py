@@ -63,7 +63,8 @@ class DiffCheckpoint(ModelCheckpoint):
         self._pending_rng: dict[str, Any] | None = None
         self._pending_at = "batch_start"
         self._capture_at = "batch_start"
-        self._deferred: str | None = None
+        self._deferred = False
+        self._epoch_end = False
         self._pending_refs: list[tuple[str, int]] = []
         self._restored: tuple[int, Any] | None = None
         self._rank_states: list[dict[str, Any]] | None = None
@@ -145,62 +146,66 @@ class DiffCheckpoint(ModelCheckpoint):
                            batch: Any, batch_idx: int) -> None:
         if trainer.global_step == self._last_recorded:
             return
-        self._deferred = self._defer_reason(trainer)
-        if self._deferred is None:
-            self.record(trainer)
-
-    @staticmethod
-    def _defer_reason(trainer: pl.Trainer) -> str | None:
-        """Where to restore the RNG if this step's record must wait, else ``None``.
-
-        Validation and a new epoch's data iterator draw from the global RNG, and Lightning does
-        not run them again on resume. So a step followed by validation is recorded once that
-        is over (as ModelCheckpoint saves), the last step of an epoch at the epoch's end, and
-        on resume the RNG is restored at the next batch or before the next epoch's iterator.
-        """
         loop = trainer.fit_loop.epoch_loop
         if loop.batch_progress.is_last_batch:
-            return "epoch_start"
-        if loop._should_check_val_fx(trainer.fit_loop._data_fetcher):
-            return "batch_start"
-        return None
+            # Recorded at the epoch's end, after epoch-end validation drew from the RNG; on
+            # resume the RNG is restored before the next epoch's iterator draws its order.
+            self._epoch_end = True
+        elif loop._should_check_val_fx(trainer.fit_loop._data_fetcher):
+            # Validation draws from the RNG and is not run again on resume: record after it
+            # (where ModelCheckpoint saves) and restore the RNG at the next batch.
+            self._deferred = True
+        else:
+            self._commit(self._take(trainer, "batch_start"))
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not trainer.sanity_checking and self._deferred == "batch_start":
-            self._record_deferred(trainer)
+        if not trainer.sanity_checking and self._deferred:
+            self._deferred = False
+            self._commit(self._take(trainer, "batch_start"))
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._record_deferred(trainer)
+        self._commit_epoch_end(trainer)
         self.engine.check()
 
-    def _record_deferred(self, trainer: pl.Trainer) -> None:
-        if self._deferred is not None:
-            self._capture_at, self._deferred = self._deferred, None
-            try:
-                self.record(trainer)
-            finally:
-                self._capture_at = "batch_start"
-
-    def record(self, trainer: pl.Trainer) -> None:
-        """Record the optimizer steps taken since the last record (once per global step)."""
-        step = trainer.global_step
-        if step == self._last_recorded:
+    def _commit_epoch_end(self, trainer: pl.Trainer) -> None:
+        if not self._epoch_end:
             return
+        self._epoch_end = False
+        self._commit(self._take(trainer, "epoch_start"))
+
+    def _take(self, trainer: pl.Trainer, restore_at: str) -> tuple[int, dict[str, Any] | None, bool]:
+        """Take what the record of the current step needs: ``(step, state or None, base?)``.
+
+        Every DDP rank calls this at the same points (it gathers per-rank state); only rank 0
+        gets a state back.
+        """
+        step = trainer.global_step
         self._last_recorded = step
         engine = self.engine
-        wants_state = engine.wants_state(step)
-        wants_base = engine.wants_base(step)
+        wants_state, wants_base = engine.wants_state(step), engine.wants_base(step)
         if wants_state and trainer.world_size > 1:
             self._rank_states = self._gather_rank_states(trainer)
         if not self.is_writer:
             engine.follow(step, wants_base)
+            return step, None, wants_base
+        self._capture_at = restore_at
+        try:
+            state = self._small_state(trainer) if wants_state else None
+        finally:
+            self._capture_at, self._rank_states = "batch_start", None
+        return step, state, wants_base
+
+    def _commit(self, held: tuple[int, dict[str, Any] | None, bool]) -> None:
+        """Queue a taken step (rank 0), its base if one is due, and references waiting for it."""
+        if not self.is_writer:
             return
-        state = self._small_state(trainer) if wants_state else None
-        self._rank_states = None
-        engine.record_step(step, state)
+        step, state, wants_base = held
+        trainer = self._require_trainer()
+        self.engine.record_step(step, state)
         if wants_base:
             module = trainer.lightning_module
-            engine.write_base(step, module.state_dict(), [o.state_dict() for o in trainer.optimizers], state)
+            self.engine.write_base(step, module.state_dict(), [o.state_dict() for o in trainer.optimizers],
+                                   state)
         pending, self._pending_refs = self._pending_refs, []
         for path, ref_step in pending:
             if ref_step == step and state is None:
@@ -211,6 +216,12 @@ class DiffCheckpoint(ModelCheckpoint):
             self._write_reference(path, ref_step)
 
     @staticmethod
+    def _gather(trainer: pl.Trainer, mine: Any) -> list[Any] | None:
+        gathered: list[Any] | None = [None] * trainer.world_size if trainer.is_global_zero else None
+        torch.distributed.gather_object(mine, gathered, dst=0)
+        return gathered
+
+    @staticmethod
     def _gather_rank_states(trainer: pl.Trainer) -> list[dict[str, Any]] | None:
         """Every rank's RNG and data position, gathered on rank 0.
 
@@ -219,9 +230,7 @@ class DiffCheckpoint(ModelCheckpoint):
         """
         mine = {"rng": get_rng_state(), "loops": trainer.fit_loop.on_save_checkpoint(),
                 "sampler_rng": tracker.captured if (tracker := SamplerOrderTracker._active) else None}
-        gathered: list[Any] | None = [None] * trainer.world_size if trainer.is_global_zero else None
-        torch.distributed.gather_object(mine, gathered, dst=0)
-        return gathered
+        return DiffCheckpoint._gather(trainer, mine)
 
     @staticmethod
     def _small_state(trainer: pl.Trainer) -> dict[str, Any]:
@@ -250,8 +259,10 @@ class DiffCheckpoint(ModelCheckpoint):
         self._close(reason=f"{type(exception).__name__}")
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.engine.started:
-            self._record_deferred(trainer)
+        if self._deferred:
+            self._deferred = False
+            self._commit(self._take(trainer, "batch_start"))
+        self._commit_epoch_end(trainer)
         self._close(reason="end of training")
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -321,7 +332,8 @@ class DiffCheckpoint(ModelCheckpoint):
         trainer = self._require_trainer()
         if not self.is_writer:
             return
-        if step > self._last_recorded or (self._deferred is not None and step == trainer.global_step):
+        waiting = self._deferred or self._epoch_end
+        if step > self._last_recorded or (waiting and step == trainer.global_step):
             self._pending_refs.append((path, step))
             return
         self._write_reference(path, step)

@@ -50,7 +50,10 @@ def test_kill9_then_resume_last_is_bitwise_identical(config, reference, tmp_path
     resumed = torch.load(tmp_path / "resumed.pt", weights_only=False)
     ref = reference(config)
     assert count_tensors(ref["model"]) > 10 and count_tensors(ref["optimizers"]) > 10
-    assert_bitwise_equal(ref, resumed)  # model, optimizers, schedulers, step and all RNG states
+    try:  # model, optimizers, schedulers, step and all RNG states
+        assert_bitwise_equal(ref, resumed)
+    except AssertionError as exc:
+        raise AssertionError(f"killed at step {kill_at}, resumed from {resumed_from} (seed {SEED}): {exc}") from None
 
 
 @pytest.mark.parametrize("config", ["adamw", "adamw_bf16"])

@@ -16,6 +16,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 import diffckpt
 from diffckpt.errors import IncompatibleCheckpointError, UnsupportedConfigurationError
+from diffckpt.store import RunStore
 from helpers import ROOT, assert_bitwise_equal, run_script, subprocess_env
 from lightning_ckpt import DiffCheckpoint, DiffCheckpointIO
 from test_exactness import SCRIPT, reference  # noqa: F401  (fixture)
@@ -140,6 +141,14 @@ def test_bf16_true_resume_replays_in_training_precision(tmp_path):
     assert resumed.lightning_module.layer.weight.dtype == torch.bfloat16
     assert_bitwise_equal(full.lightning_module.state_dict(), resumed.lightning_module.state_dict())
     assert_bitwise_equal(full.optimizers[0].state_dict(), resumed.optimizers[0].state_dict())
+
+
+def test_ckpt_path_dirpath_resumes_newest_durable_step(tmp_path):
+    _fit(tmp_path, _Tiny(), steps=5)
+    _fit(tmp_path, _Tiny(), steps=6, ckpt_path=str(tmp_path / "run"))
+    store = RunStore(diffckpt.open_storage(str(tmp_path / "run")))
+    assert store.session_meta(2)["resumed_from"] == 5  # the second session continued step 5
+    assert diffckpt.load_state(str(tmp_path / "run"))["step"] == 6
 
 
 def test_closure_optimizer_is_refused_at_setup(tmp_path):

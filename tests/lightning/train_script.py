@@ -123,6 +123,9 @@ def final_state(trainer: L.Trainer) -> dict:
         "optimizers": [o.state_dict() for o in trainer.optimizers],
         "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
         "global_step": trainer.global_step,
+        "epoch": trainer.current_epoch,
+        "precision": trainer.precision_plugin.state_dict(),  # GradScaler scale and growth tracker
+        "batches_total": trainer.fit_loop.epoch_loop.batch_progress.total.completed,
         "rng": torch.get_rng_state(),
         "np_rng": torch.from_numpy(np.random.get_state()[1].copy()),
         "py_rng": torch.tensor(random.getstate()[1]),
