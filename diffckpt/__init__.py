@@ -24,8 +24,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointEngine",
-    "CheckpointOptions",
     "CheckpointNotFoundError",
+    "CheckpointOptions",
     "CorruptRecordError",
     "DiffCkptError",
     "FsspecStorage",

@@ -16,7 +16,7 @@ import torch
 
 from .errors import UnsupportedConfigurationError
 
-__all__ = ["StepCapture", "fingerprint", "group_hyperparams", "clone_tree", "tree_nbytes"]
+__all__ = ["StepCapture", "clone_tree", "fingerprint", "group_hyperparams", "tree_nbytes"]
 
 
 def clone_tree(obj: Any) -> Any:

@@ -7,13 +7,13 @@ derive from the matching built-in so that generic handlers keep working.
 from __future__ import annotations
 
 __all__ = [
-    "DiffCkptError",
-    "CorruptRecordError",
     "CheckpointNotFoundError",
+    "CorruptRecordError",
+    "DiffCkptError",
     "IncompatibleCheckpointError",
     "ReplayMismatchError",
-    "UnsupportedConfigurationError",
     "StorageError",
+    "UnsupportedConfigurationError",
 ]
 
 

@@ -21,13 +21,13 @@ from .tree import pack_parts, unpack_tree
 __all__ = [
     "FORMAT_VERSION",
     "SEGMENT_MAGIC",
-    "SegmentName",
     "BaseName",
-    "encode_segment",
-    "encode_segment_parts",
+    "SegmentName",
+    "decode_commit",
     "decode_segment",
     "encode_commit",
-    "decode_commit",
+    "encode_segment",
+    "encode_segment_parts",
     "sha256",
 ]
 

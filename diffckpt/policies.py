@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["StepContext", "IntervalPolicy"]
+__all__ = ["IntervalPolicy", "StepContext"]
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from .errors import (
 )
 from .store import RestorePlan, RunStore
 
-__all__ = ["ReplayResult", "ReplayTarget", "replay", "load_into"]
+__all__ = ["ReplayResult", "ReplayTarget", "load_into", "replay"]
 
 log = logging.getLogger("diffckpt")
 

@@ -21,7 +21,7 @@ from .errors import CheckpointNotFoundError, DiffCkptError, StorageError
 Buffer = bytes | memoryview
 Data = bytes | Sequence[Buffer]
 
-__all__ = ["Storage", "FsspecStorage", "open_storage"]
+__all__ = ["FsspecStorage", "Storage", "open_storage"]
 
 
 @runtime_checkable

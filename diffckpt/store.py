@@ -20,7 +20,7 @@ from .format import FORMAT_VERSION, BaseName, SegmentName, decode_commit, decode
 from .storage import Storage
 from .tree import unpack_tree
 
-__all__ = ["RunStore", "Inventory", "RestorePlan", "RUN_FILE"]
+__all__ = ["RUN_FILE", "Inventory", "RestorePlan", "RunStore"]
 
 log = logging.getLogger("diffckpt")
 RUN_FILE = "run.json"

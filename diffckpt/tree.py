@@ -21,7 +21,7 @@ import torch
 
 from .errors import CorruptRecordError, UnsupportedConfigurationError
 
-__all__ = ["pack_tree", "unpack_tree", "encode_tree", "decode_tree", "read_metadata"]
+__all__ = ["decode_tree", "encode_tree", "pack_tree", "read_metadata", "unpack_tree"]
 
 _META_KEY = "diffckpt.tree"
 

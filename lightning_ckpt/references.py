@@ -15,7 +15,7 @@ from typing import Any
 from diffckpt.storage import FsspecStorage
 from diffckpt.store import RUN_FILE
 
-__all__ = ["write_reference", "resolve_target", "is_reference"]
+__all__ = ["is_reference", "resolve_target", "write_reference"]
 
 REF_FORMAT = "diffckpt-ref"
 _STEP_RE = re.compile(r"^step=(\d+)$")

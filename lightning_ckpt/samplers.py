@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 
 from diffckpt.rng import get_rng_state, set_rng_state

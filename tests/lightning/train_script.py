@@ -9,7 +9,6 @@ RNG state to ``OUT`` for a bitwise comparison.
 from __future__ import annotations
 
 import argparse
-import math
 import random
 import sys
 
