@@ -17,6 +17,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 
 from diffckpt.engine import CheckpointEngine
 from diffckpt.errors import DiffCkptError, UnsupportedConfigurationError
@@ -60,6 +61,7 @@ class DiffCheckpoint(ModelCheckpoint):
         self.durable_step: int | None = None
         self._trainer: pl.Trainer | None = None
         self._last_recorded = -1
+        self._last_state_step = -1
         self._pending_rng: dict[str, Any] | None = None
         self._pending_at = "batch_start"
         self._capture_at = "batch_start"
@@ -93,6 +95,9 @@ class DiffCheckpoint(ModelCheckpoint):
         from .checkpoint_io import DiffCheckpointIO
 
         self._trainer = trainer
+        # Per-run state: a previous fit that ended in an exception must not leak into this one.
+        self._deferred = self._epoch_end = False
+        self._pending_refs, self._restored = [], None
         strategy = trainer.strategy
         if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) or type(strategy).__name__ in (
                 "FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy"):
@@ -123,6 +128,7 @@ class DiffCheckpoint(ModelCheckpoint):
         self._rank_states = None
         self.engine.write_base(step, pl_module.state_dict(), [o.state_dict() for o in optimizers], state)
         self._restored = None
+        self._last_state_step = step
 
     # ------------------------------------------------------------------ capture
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -158,8 +164,12 @@ class DiffCheckpoint(ModelCheckpoint):
         else:
             self._commit(self._take(trainer, "batch_start"))
 
+    def _step_open(self, trainer: pl.Trainer) -> bool:
+        """Whether fitting has a step not recorded yet (false in validate/test or after a record)."""
+        return trainer.state.fn == TrainerFn.FITTING and trainer.global_step != self._last_recorded
+
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not trainer.sanity_checking and self._deferred:
+        if not trainer.sanity_checking and self._deferred and self._step_open(trainer):
             self._deferred = False
             self._commit(self._take(trainer, "batch_start"))
 
@@ -171,6 +181,8 @@ class DiffCheckpoint(ModelCheckpoint):
         if not self._epoch_end:
             return
         self._epoch_end = False
+        if not self._step_open(trainer):
+            return
         self._commit(self._take(trainer, "epoch_start"))
 
     def _take(self, trainer: pl.Trainer, restore_at: str) -> tuple[int, dict[str, Any] | None, bool]:
@@ -202,6 +214,8 @@ class DiffCheckpoint(ModelCheckpoint):
         step, state, wants_base = held
         trainer = self._require_trainer()
         self.engine.record_step(step, state)
+        if state is not None:
+            self._last_state_step = step
         if wants_base:
             module = trainer.lightning_module
             self.engine.write_base(step, module.state_dict(), [o.state_dict() for o in trainer.optimizers],
@@ -256,12 +270,16 @@ class DiffCheckpoint(ModelCheckpoint):
 
     # ---------------------------------------------------------------- shutdown
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._close(reason=f"{type(exception).__name__}")
+        try:
+            self._close(reason=f"{type(exception).__name__}")
+        except Exception:  # the original exception is what the user must see
+            log.exception("diffckpt: flushing after %s failed too", type(exception).__name__)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._deferred:
             self._deferred = False
-            self._commit(self._take(trainer, "batch_start"))
+            if self._step_open(trainer):
+                self._commit(self._take(trainer, "batch_start"))
         self._commit_epoch_end(trainer)
         self._close(reason="end of training")
 
@@ -271,6 +289,10 @@ class DiffCheckpoint(ModelCheckpoint):
     def _close(self, reason: str) -> None:
         self._order.uninstall()
         if not self.engine.started:
+            for path, step in self._pending_refs:
+                log.warning("diffckpt: %s was not written: step %d was never recorded (save "
+                            "checkpoints through DiffCheckpointIO while fitting)", path, step)
+            self._pending_refs = []
             return
         durable = self.engine.close()
         self.durable_step = durable
@@ -336,6 +358,10 @@ class DiffCheckpoint(ModelCheckpoint):
         if step > self._last_recorded or (waiting and step == trainer.global_step):
             self._pending_refs.append((path, step))
             return
+        if step > self._last_state_step:
+            raise DiffCkptError(
+                f"cannot save {path}: step {step} is not a restorable step with every_n_steps="
+                f"{self.options.every_n_steps}; save checkpoints only at multiples of every_n_steps")
         self._write_reference(path, step)
 
     def _write_reference(self, path: str, step: int) -> None:

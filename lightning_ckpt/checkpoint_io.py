@@ -54,9 +54,10 @@ class DiffCheckpointIO(CheckpointIO):
 
     def remove_checkpoint(self, path: Any) -> None:
         path = os.fspath(path)
-        if not is_reference(path):
+        opts = self._callback.storage_options if self._callback else {}
+        if not is_reference(path, opts):
             self._fallback.remove_checkpoint(path)
             return
         directory, name = _split(path)
-        storage = FsspecStorage(directory)
+        storage = FsspecStorage(directory, **opts)
         self._require("remove a checkpoint").remove_reference(path, lambda: storage.delete(name))

@@ -40,8 +40,8 @@ def _read_reference(path: str, storage_options: dict[str, Any]) -> dict[str, Any
     directory, name = _split(path)
     storage = FsspecStorage(directory, **storage_options)
     try:
-        if not storage.exists(name):
-            return None
+        if not storage.exists(name) or storage.fs.size(storage._full(name)) > _MAX_REF:
+            return None  # not ours (and not read: plain checkpoints can be gigabytes)
         data = storage.read(name)
     except Exception:
         return None

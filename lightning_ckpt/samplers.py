@@ -34,6 +34,8 @@ class SamplerOrderTracker:
         self._original: Any = None
 
     def install(self) -> None:
+        self.captured = self.replay = None
+        self.offset = 0
         if SamplerOrderTracker._active is not None:
             SamplerOrderTracker._active.uninstall()
         original = DistributedSamplerWrapper.__iter__
