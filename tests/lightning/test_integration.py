@@ -172,3 +172,41 @@ def test_sharded_strategies_are_refused(tmp_path):
     # FSDP and DeepSpeed cannot even be constructed on a CPU-only machine; ModelParallel can.
     with pytest.raises(UnsupportedConfigurationError, match="ModelParallelStrategy"):
         _fit(tmp_path, _Tiny(), strategy=ModelParallelStrategy(), devices=1)
+
+
+class _Failing(_Tiny):
+    def training_step(self, batch, batch_idx):
+        if self.global_step == 2:
+            raise RuntimeError("boom")
+        return super().training_step(batch, batch_idx)
+
+
+def test_exception_flushes_and_the_same_callback_fits_again(tmp_path):
+    callback = DiffCheckpoint(str(tmp_path / "run"), write_batch=8)
+
+    def trainer(steps):
+        return L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, plugins=[DiffCheckpointIO()], callbacks=[callback])
+
+    inputs = torch.randn(16, 4, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match="boom"):  # the original error, not a checkpointing one
+        trainer(6).fit(_Failing(), StatefulDataLoader(inputs, batch_size=4))
+    # The exception flushed the partial segment: both completed steps are durable.
+    assert diffckpt.load_state(str(tmp_path / "run"))["step"] == 2
+    trainer(6).fit(_Tiny(), StatefulDataLoader(inputs, batch_size=4), ckpt_path="last")
+    assert diffckpt.load_state(str(tmp_path / "run"))["step"] == 6
+
+
+def test_saving_a_non_restorable_step_is_refused(tmp_path):
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, plugins=[DiffCheckpointIO()],
+                        callbacks=[DiffCheckpoint(str(tmp_path / "run"), every_n_steps=2)])
+
+    class Saving(_Tiny):
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            if self.global_step == 1:
+                self.trainer.save_checkpoint(str(tmp_path / "one.ckpt"))
+
+    with pytest.raises(diffckpt.DiffCkptError, match="not a restorable step"):
+        trainer.fit(Saving(), StatefulDataLoader(torch.randn(16, 4), batch_size=4))
+    assert not (tmp_path / "one.ckpt").exists()
