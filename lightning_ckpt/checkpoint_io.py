@@ -55,9 +55,16 @@ class DiffCheckpointIO(CheckpointIO):
     def remove_checkpoint(self, path: Any) -> None:
         path = os.fspath(path)
         opts = self._callback.storage_options if self._callback else {}
-        if not is_reference(path, opts):
-            self._fallback.remove_checkpoint(path)
-            return
         directory, name = _split(path)
-        storage = FsspecStorage(directory, **opts)
-        self._require("remove a checkpoint").remove_reference(path, lambda: storage.delete(name))
+
+        def remove() -> None:
+            # Decided when it runs: a reference queued before this removal exists by then.
+            if is_reference(path, opts):
+                FsspecStorage(directory, **opts).delete(name)
+            else:
+                self._fallback.remove_checkpoint(path)
+
+        if self._callback is not None:
+            self._callback.remove_reference(path, remove)
+        else:
+            remove()
