@@ -8,6 +8,7 @@ training step :meth:`~CheckpointEngine.record_step` (and :meth:`~CheckpointEngin
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import Any
@@ -195,14 +196,7 @@ class CheckpointEngine:
                 ``module`` and ``optimizers`` are then partly replayed and must not be used.
         """
         plan, info, base = self.store.open_plan(step)
-        ctx = self.capture.paused() if self.capture else _null()
+        ctx = self.capture.paused() if self.capture else contextlib.nullcontext()
         with ctx:
             return replay(self.store, plan, module, optimizers, verify=verify, loaded=(info, base))
 
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None

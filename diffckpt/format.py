@@ -28,6 +28,7 @@ __all__ = [
     "encode_commit",
     "encode_segment",
     "encode_segment_parts",
+    "digest_parts",
     "sha256",
 ]
 
@@ -107,7 +108,8 @@ def _compression_pays(parts: list[Buffer], compressor: zstandard.ZstdCompressor)
     return len(sample) >= _WORTHWHILE * len(compressor.compress(sample))
 
 
-def _digest(parts: list[Buffer]) -> hashlib._Hash:
+def digest_parts(parts: list[Buffer]) -> hashlib._Hash:
+    """SHA-256 over buffers in order, as if they were concatenated."""
     h = hashlib.sha256()
     for part in parts:
         h.update(part)
@@ -144,7 +146,7 @@ def encode_segment_parts(header: dict[str, Any], records: list[Any], compression
             parts = [b"".join([*(stream.compress(p) for p in parts), stream.flush()])]
         blobs.extend(parts)
         entries.append({"step": record["step"], "length": sum(len(p) for p in parts),
-                        "raw_length": raw_length, "sha256": _digest(parts).hexdigest()})
+                        "raw_length": raw_length, "sha256": digest_parts(parts).hexdigest()})
     head = dict(header, format=FORMAT_VERSION, compression=compression, records=entries)
     head_bytes = json.dumps(head, separators=(",", ":"), sort_keys=True).encode()
     lead: list[Buffer] = [SEGMENT_MAGIC, struct.pack("<I", len(head_bytes)), head_bytes]
@@ -152,7 +154,7 @@ def encode_segment_parts(header: dict[str, Any], records: list[Any], compression
         info.update(raw_bytes=raw_total, compression=compression)
     # The header lists every blob's length and SHA-256, so hashing the lead covers the whole
     # segment while the data is hashed only once.
-    return [*lead, *blobs, _digest(lead).digest()]
+    return [*lead, *blobs, digest_parts(lead).digest()]
 
 
 def encode_segment(header: dict[str, Any], records: list[Any], compression: str, level: int,

@@ -8,7 +8,6 @@ background error is kept and re-raised on the training thread (next put, flush o
 from __future__ import annotations
 
 import collections
-import hashlib
 import logging
 import threading
 import time
@@ -20,7 +19,7 @@ import torch
 
 from .capture import fingerprint
 from .errors import DiffCkptError
-from .format import BaseName, SegmentName, encode_commit, encode_segment_parts
+from .format import BaseName, SegmentName, digest_parts, encode_commit, encode_segment_parts
 from .options import CheckpointOptions
 from .store import RunStore
 from .tree import pack_parts
@@ -208,9 +207,7 @@ class BackgroundWriter:
         name = BaseName(step, self.gen)
         parts = pack_parts(tree)
         self.store.storage.write(name.state_path, parts)
-        digest = hashlib.sha256()
-        for part in parts:
-            digest.update(part)
+        digest = digest_parts(parts)
         size = sum(len(p) for p in parts)
         commit = {"step": step, "gen": self.gen, "fingerprint": fingerprint(params),
                   "files": {"state.safetensors": {"size": size, "sha256": digest.hexdigest()}}}

@@ -235,16 +235,15 @@ class DiffCheckpoint(ModelCheckpoint):
         torch.distributed.gather_object(mine, gathered, dst=0)
         return gathered
 
-    @staticmethod
-    def _gather_rank_states(trainer: pl.Trainer) -> list[dict[str, Any]] | None:
+    def _gather_rank_states(self, trainer: pl.Trainer) -> list[dict[str, Any]] | None:
         """Every rank's RNG and data position, gathered on rank 0.
 
         Lightning saves only rank 0's loader state and restores it on every rank, so after a
         mid-epoch resume the other ranks would read different batches; each rank gets its own.
         """
         mine = {"rng": get_rng_state(), "loops": trainer.fit_loop.on_save_checkpoint(),
-                "sampler_rng": tracker.captured if (tracker := SamplerOrderTracker._active) else None}
-        return DiffCheckpoint._gather(trainer, mine)
+                "sampler_rng": self._order.captured}
+        return self._gather(trainer, mine)
 
     @staticmethod
     def _small_state(trainer: pl.Trainer) -> dict[str, Any]:
