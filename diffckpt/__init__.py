@@ -8,16 +8,19 @@ any step by replaying the optimizer. This package is the framework-free core; se
 from .engine import CheckpointEngine
 from .errors import (
     CheckpointNotFoundError,
+    ConcurrentWriterError,
     CorruptRecordError,
     DiffCkptError,
     IncompatibleCheckpointError,
     ReplayMismatchError,
     StorageError,
+    StorageUnavailableError,
     UnsupportedConfigurationError,
 )
 from .loading import load_state
 from .options import CheckpointOptions
 from .replay import ReplayResult
+from .retry import RetryPolicy
 from .storage import FsspecStorage, Storage, open_storage
 
 __version__ = "0.1.0"
@@ -26,14 +29,17 @@ __all__ = [
     "CheckpointEngine",
     "CheckpointNotFoundError",
     "CheckpointOptions",
+    "ConcurrentWriterError",
     "CorruptRecordError",
     "DiffCkptError",
     "FsspecStorage",
     "IncompatibleCheckpointError",
     "ReplayMismatchError",
     "ReplayResult",
+    "RetryPolicy",
     "Storage",
     "StorageError",
+    "StorageUnavailableError",
     "UnsupportedConfigurationError",
     "load_state",
     "open_storage",

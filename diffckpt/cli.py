@@ -28,7 +28,7 @@ from .errors import CheckpointNotFoundError, DiffCkptError, UnsupportedConfigura
 from .format import SegmentName, decode_segment
 from .loading import load_state
 from .storage import FsspecStorage, Storage, open_storage
-from .store import RUN_FILE, Inventory, RunStore
+from .store import RUN_FILE, Inventory, RunStore, session_path
 
 __all__ = ["main"]
 
@@ -124,6 +124,14 @@ def _durable(inv: Inventory, gen: int) -> list[list[int]]:
 
 
 # ------------------------------------------------------------------------------------ ls
+def _flat(options: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    """``retry={"budget_s": 60}`` as ``retry.budget_s=60``, sorted."""
+    out: list[tuple[str, Any]] = []
+    for key, value in sorted(options.items()):
+        out += _flat(value, f"{prefix}{key}.") if isinstance(value, dict) else [(f"{prefix}{key}", value)]
+    return out
+
+
 def _every(options: dict[str, Any]) -> str:
     # With every_n_steps > 1, only every n-th step of a durable range is restorable.
     n = options.get("every_n_steps", 1)
@@ -181,7 +189,7 @@ def _render_ls(d: dict[str, Any]) -> str:
          (", ".join(f"{lo}..{hi}" for lo, hi in s["durable"]) or "-") + _every(s["options"]),
          str(s["newest_step"] if s["newest_step"] is not None else "-"), s["ckpt_path"] or "-"]
         for s in d["sessions"]])
-    lines += [f"  g{s['gen']} settings: " + " ".join(f"{k}={v}" for k, v in s["options"].items())
+    lines += [f"  g{s['gen']} settings: " + " ".join(f"{k}={v}" for k, v in _flat(s["options"]))
               for s in d["sessions"] if s["options"]]
     lines += ["", "bases"] + _table(["step", "gen", "size", "path"], [
         [str(b["step"]), f"g{b['gen']}", _human(b["bytes"]), b["path"]] for b in d["bases"]])
@@ -243,7 +251,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         try:
             store.session_meta(gen)
         except (ValueError, DiffCkptError) as exc:
-            bad(f"sessions/g{gen:06d}.json", f"cannot be read: {exc}")
+            bad(session_path(gen), f"cannot be read: {exc}")
     committed = {b.dir for b in inv.bases}
     stray = sorted({p.rsplit("/", 1)[0] for p in inv.sizes if p.startswith("bases/")} - committed)
     total = len(inv.bases) + len(inv.segments)

@@ -9,8 +9,10 @@ training step :meth:`~CheckpointEngine.record_step` (and :meth:`~CheckpointEngin
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
+import socket
 from typing import Any
 
 import torch
@@ -20,6 +22,7 @@ from .errors import DiffCkptError
 from .options import CheckpointOptions
 from .policies import IntervalPolicy, StepContext
 from .replay import ReplayResult, replay
+from .retry import unwrap
 from .storage import Storage, open_storage
 from .store import RunStore
 from .writer import BackgroundWriter
@@ -41,7 +44,7 @@ class CheckpointEngine:
     def __init__(self, dirpath: str | os.PathLike[str] | Storage, options: CheckpointOptions | None = None,
                  storage_options: dict[str, Any] | None = None) -> None:
         self.options = options or CheckpointOptions()
-        self.storage = open_storage(dirpath, **(storage_options or {}))
+        self.storage = open_storage(dirpath, retry=self.options.retry, **(storage_options or {}))
         self.store = RunStore(self.storage)
         self.policy = IntervalPolicy()
         self.writer: BackgroundWriter | None = None
@@ -51,6 +54,11 @@ class CheckpointEngine:
         self._last_base = 0
         self._buffer_names: list[str] = []
         self._durable: int | None = None
+
+    @property
+    def storage_is_local(self) -> bool:
+        """Whether the run root is on a local file system."""
+        return bool(getattr(unwrap(self.storage), "local", False))
 
     # ------------------------------------------------------------------ training
     @property
@@ -69,7 +77,7 @@ class CheckpointEngine:
         params = dict(module.named_parameters())
         self._buffer_names = [k for k in module.state_dict() if k not in params]
         names = {id(p): n for n, p in params.items()}
-        body = {"options": {k: getattr(self.options, k) for k in self.options.__dataclass_fields__},
+        body = {"options": dataclasses.asdict(self.options), "host": socket.gethostname(), "pid": os.getpid(),
                 "optimizer_params": [[[names.get(id(p), "") for p in g["params"]] for g in o.param_groups]
                                      for o in optimizers],
                 "resumed_from": step,
@@ -139,9 +147,14 @@ class CheckpointEngine:
         writer.put_base(step, tree, [tree["model"][n] for n in names], tree_nbytes(tree))
         self._last_base = step
 
-    def flush(self) -> int | None:
-        """Block until everything captured is durable; return the durable step."""
-        return self.writer.flush() if self.writer else None
+    def flush(self, timeout: float | None = None) -> int | None:
+        """Block until everything captured is durable; return the durable step.
+
+        Raises:
+            TimeoutError: not durable within ``timeout`` seconds (writing goes on).
+            StorageUnavailableError: storage is in an outage and ``on_storage_error="raise"``.
+        """
+        return self.writer.flush(timeout) if self.writer else None
 
     def check(self) -> None:
         """Raise a background error on the calling thread, if one happened."""
@@ -154,16 +167,21 @@ class CheckpointEngine:
         :meth:`close` and after a background write failed, when ``close()`` raised instead."""
         return self.writer.durable_step if self.writer else self._durable
 
-    def close(self) -> int | None:
+    def close(self, timeout: float | None = None) -> int | None:
         """Flush, stop the writer and remove the capture hooks; return the durable step.
 
         A background error is raised here if it was not raised before, or again if it was; the
         session is closed either way and :attr:`durable_step` tells how far it got.
+
+        Args:
+            timeout: give up flushing after this many seconds, logging which steps are durable
+                and which are lost (for preemption: see ``CheckpointOptions.flush_timeout_s``).
+                ``None`` waits as ``on_storage_error`` says.
         """
         durable = None
         try:
             if self.writer:
-                durable = self.writer.close()
+                durable = self.writer.close(timeout)
         finally:
             if self.capture:
                 self.capture.remove()

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 __all__ = [
     "CheckpointNotFoundError",
+    "ConcurrentWriterError",
     "CorruptRecordError",
     "DiffCkptError",
     "IncompatibleCheckpointError",
     "ReplayMismatchError",
     "StorageError",
+    "StorageUnavailableError",
     "UnsupportedConfigurationError",
 ]
 
@@ -43,3 +45,12 @@ class UnsupportedConfigurationError(DiffCkptError, ValueError):
 
 class StorageError(DiffCkptError, OSError):
     """Storage refused a read or write (permissions, full disk, unreachable bucket)."""
+
+
+class StorageUnavailableError(StorageError):
+    """Storage kept failing with transient errors (timeouts, 5xx, throttling, resets) for longer
+    than the retry budget."""
+
+
+class ConcurrentWriterError(DiffCkptError, RuntimeError):
+    """Another job started writing to the same run root; this writer stopped (was fenced)."""

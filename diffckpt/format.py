@@ -25,10 +25,10 @@ __all__ = [
     "SegmentName",
     "decode_commit",
     "decode_segment",
+    "digest_parts",
     "encode_commit",
     "encode_segment",
     "encode_segment_parts",
-    "digest_parts",
     "sha256",
 ]
 

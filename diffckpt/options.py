@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from .retry import RetryPolicy
 
 __all__ = ["CheckpointOptions"]
 
@@ -25,6 +27,15 @@ class CheckpointOptions:
             least 10%: dense float32 gradients usually do not, RNG states and compressed
             payloads do), ``"zstd"`` or ``"none"``.
         compression_level: zstd level (1 is fast and keeps up with training on few cores).
+        retry: how transient storage failures (timeouts, 5xx, throttling, resets) are retried.
+        on_storage_error: what happens when storage has been failing for longer than
+            ``retry.budget_s`` *and* the buffered steps fill ``max_pending_bytes``: ``"block"``
+            makes training wait (with a warning) until storage is back, ``"raise"`` raises
+            :class:`~diffckpt.StorageUnavailableError` on the training thread. Until the buffer is
+            full, training goes on either way; nothing is ever dropped.
+        flush_timeout_s: how long the final flush may take when training is interrupted
+            (SIGTERM, SIGINT, an exception) before giving up; it then logs how far durability
+            got. A normal end of training waits for storage as ``on_storage_error`` says.
     """
 
     every_n_steps: int = 1
@@ -34,6 +45,9 @@ class CheckpointOptions:
     max_pending_bytes: int = 256 << 20
     compression: str = "auto"
     compression_level: int = 1
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    on_storage_error: str = "block"
+    flush_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         for name in ("every_n_steps", "write_batch", "max_pending_bytes", "compression_level"):
@@ -44,5 +58,11 @@ class CheckpointOptions:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if self.on_storage_error not in ("block", "raise"):
+            raise ValueError(f"on_storage_error must be 'block' or 'raise', got {self.on_storage_error!r}")
+        if not isinstance(self.retry, RetryPolicy):
+            raise ValueError(f"retry must be a diffckpt.RetryPolicy, got {self.retry!r}")
+        if not isinstance(self.flush_timeout_s, (int, float)) or self.flush_timeout_s < 0:
+            raise ValueError(f"flush_timeout_s must be a non-negative number, got {self.flush_timeout_s!r}")
         if self.compression not in ("auto", "zstd", "none"):
             raise ValueError(f"compression must be 'auto', 'zstd' or 'none', got {self.compression!r}")

@@ -7,6 +7,7 @@ and use ``/``.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import uuid
@@ -15,8 +16,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
+from fsspec.spec import AbstractBufferedFile
 
 from .errors import CheckpointNotFoundError, DiffCkptError, StorageError
+from .retry import RetryingStorage, RetryPolicy, is_transient
 
 Buffer = bytes | memoryview
 Data = bytes | Sequence[Buffer]
@@ -34,6 +37,10 @@ class Storage(Protocol):
         """Write ``data`` (bytes, or buffers to concatenate) so that readers see the whole object
         or nothing."""
 
+    def create(self, path: str, data: bytes) -> bool:
+        """Write ``data`` only if ``path`` does not exist, atomically; return whether it did not
+        (two writers racing for a name: exactly one gets ``True``)."""
+
     def read(self, path: str) -> bytes:
         """Return the whole object; raise :class:`CheckpointNotFoundError` if it is absent."""
 
@@ -49,7 +56,15 @@ class Storage(Protocol):
 
 def _explain(exc: BaseException, action: str, where: str) -> StorageError:
     code = getattr(exc, "errno", None)
-    if code == errno.ENOSPC:
+    remote = "://" in where and not where.startswith(("file://", "local://"))
+    if remote and isinstance(exc, FileNotFoundError):
+        hint = "the bucket or container does not exist: create it or fix dirpath"
+    elif remote and isinstance(exc, PermissionError):
+        hint = ("access denied: check the credentials (storage_options or the usual environment "
+                "variables and config files of the backend) and the permissions on the bucket")
+    elif remote and is_transient(exc):
+        hint = "the endpoint is unreachable or failing: check the endpoint URL, the network and the service"
+    elif code == errno.ENOSPC:
         hint = "the disk is full: free space or point dirpath at a larger volume"
     elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
         hint = "permission denied or read-only file system: make it writable or choose another dirpath"
@@ -58,6 +73,15 @@ def _explain(exc: BaseException, action: str, where: str) -> StorageError:
     else:
         hint = "check that the location exists, is reachable and that credentials allow it"
     return StorageError(f"cannot {action} {where}: {exc} ({hint})")
+
+
+def _precondition_failed(exc: BaseException | None) -> bool:
+    while exc is not None:
+        response = getattr(exc, "response", None)
+        if isinstance(response, dict) and response.get("Error", {}).get("Code") == "PreconditionFailed":
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def as_bytes(data: Data) -> bytes:
@@ -69,23 +93,38 @@ class FsspecStorage:
     """:class:`Storage` over any fsspec file system.
 
     Local disk commits with a temporary file in the same directory, ``fsync``, ``os.replace`` and
-    an ``fsync`` of the directory. Object stores commit with a single PUT, which is atomic.
+    an ``fsync`` of the directory. Object stores have no rename: a single PUT is atomic, and so is
+    a multipart upload, whose object appears only when the upload completes. Objects larger than
+    ``multipart_threshold`` are streamed in ``part_size`` parts rather than joined into a second
+    copy in memory.
+
+    Args:
+        url: local path or fsspec URL of the run root.
+        part_size: bytes per part of a streamed (multipart) upload; S3 needs at least 5 MiB.
+        multipart_threshold: objects at least this large are streamed.
+        **storage_options: passed to fsspec (credentials, endpoint, ...).
     """
 
-    def __init__(self, url: str, **storage_options: Any) -> None:
+    def __init__(self, url: str, *, part_size: int = 32 << 20, multipart_threshold: int = 64 << 20,
+                 **storage_options: Any) -> None:
         self.url = str(url)
         self.fs, root = fsspec.core.url_to_fs(self.url, **storage_options)
         self.root = root.rstrip("/") if root not in ("/", "") else root
         self.local = isinstance(self.fs, LocalFileSystem)
+        self.part_size = part_size
+        self.multipart_threshold = multipart_threshold
 
     def _full(self, path: str) -> str:
         return f"{self.root}/{path}" if path else self.root
 
     def write(self, path: str, data: Data) -> None:
         full = self._full(path)
+        parts = [data] if isinstance(data, (bytes, memoryview)) else data
         try:
             if self.local:
-                self._write_local(full, [data] if isinstance(data, bytes) else data)
+                self._write_local(full, parts)
+            elif sum(len(p) for p in parts) >= self.multipart_threshold:
+                self._stream(full, parts)
             else:
                 self.fs.pipe_file(full, as_bytes(data))
         except StorageError:
@@ -93,8 +132,29 @@ class FsspecStorage:
         except Exception as exc:  # fsspec backends raise many types
             raise _explain(exc, "write", f"{self.url}/{path}") from exc
 
+    def create(self, path: str, data: bytes) -> bool:
+        full = self._full(path)
+        try:
+            if self.local:
+                return self._write_local(full, [data], exclusive=True)
+            try:
+                self.fs.pipe_file(full, data, mode="create")  # S3: If-None-Match: *
+            except (TypeError, NotImplementedError):  # a backend without conditional writes
+                if self.fs.exists(full):
+                    return False
+                self.fs.pipe_file(full, data)
+            return True
+        except FileExistsError:
+            return False
+        except StorageError:
+            raise
+        except Exception as exc:
+            if _precondition_failed(exc):  # S3-compatibles that omit the failed condition
+                return False
+            raise _explain(exc, "create", f"{self.url}/{path}") from exc
+
     @staticmethod
-    def _write_local(full: str, parts: Sequence[Buffer]) -> None:
+    def _write_local(full: str, parts: Sequence[Buffer], exclusive: bool = False) -> bool:
         directory = os.path.dirname(full)
         os.makedirs(directory, exist_ok=True)
         tmp = os.path.join(directory, f".{os.path.basename(full)}.{uuid.uuid4().hex[:8]}.tmp")
@@ -103,7 +163,15 @@ class FsspecStorage:
                 fh.writelines(parts)  # buffers go to the file without being joined first
                 fh.flush()
                 os.fsync(fh.fileno())
-            os.replace(tmp, full)
+            if exclusive:
+                try:
+                    os.link(tmp, full)  # atomic, and fails if the name exists
+                except FileExistsError:
+                    return False
+                finally:
+                    os.unlink(tmp)
+            else:
+                os.replace(tmp, full)
         except BaseException:
             if os.path.exists(tmp):
                 os.unlink(tmp)
@@ -113,10 +181,27 @@ class FsspecStorage:
             os.fsync(fd)
         finally:
             os.close(fd)
+        return True
+
+    def _stream(self, full: str, parts: Sequence[Buffer]) -> None:
+        """Upload in parts of ``part_size``; on failure abort, so that no partial object appears."""
+        fh = self.fs.open(full, "wb", block_size=self.part_size)
+        try:
+            for part in parts:
+                view = memoryview(part).cast("B")
+                for start in range(0, len(view), self.part_size):
+                    fh.write(view[start:start + self.part_size])
+            fh.close()  # uploads the last part and completes the upload: the commit
+        except BaseException:
+            if isinstance(fh, AbstractBufferedFile):  # other files commit only on close
+                fh.closed = True  # closing (also from __del__) would commit what was written so far
+                with contextlib.suppress(Exception):
+                    fh.discard()  # S3: abort the multipart upload (else a lifecycle rule must)
+            raise
 
     def read(self, path: str) -> bytes:
         try:
-            return self.fs.cat_file(self._full(path))
+            return bytes(self.fs.cat_file(self._full(path)))
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"{self.url}/{path} does not exist") from None
         except Exception as exc:
@@ -125,6 +210,7 @@ class FsspecStorage:
     def list(self, prefix: str) -> dict[str, int]:
         base = self._full(prefix)
         try:
+            self.fs.invalidate_cache(base)  # listings cached by s3fs & co. miss other writers' objects
             if not self.fs.exists(base):
                 return {}
             found = self.fs.find(base, detail=True)
@@ -148,6 +234,7 @@ class FsspecStorage:
 
     def exists(self, path: str) -> bool:
         try:
+            self.fs.invalidate_cache(self._full(path))
             return bool(self.fs.exists(self._full(path)))
         except Exception as exc:
             raise _explain(exc, "reach", f"{self.url}/{path}") from exc
@@ -174,6 +261,9 @@ class _Explained:
     def write(self, path: str, data: Data) -> None:
         self._call("write", path, self.inner.write, data)
 
+    def create(self, path: str, data: bytes) -> bool:
+        return self._call("create", path, self.inner.create, data)  # type: ignore[no-any-return]
+
     def read(self, path: str) -> bytes:
         return self._call("read", path, self.inner.read)  # type: ignore[no-any-return]
 
@@ -187,14 +277,19 @@ class _Explained:
         return self._call("reach", path, self.inner.exists)  # type: ignore[no-any-return]
 
 
-def open_storage(url: str | os.PathLike[str] | Storage, **storage_options: Any) -> Storage:
-    """Return an :class:`FsspecStorage` for a path or URL.
+def open_storage(url: str | os.PathLike[str] | Storage, *, retry: RetryPolicy | None = None,
+                 **storage_options: Any) -> Storage:
+    """Return the storage of a path or URL, retrying transient failures under ``retry``.
 
     A caller's :class:`Storage` is used as it is, except that a bare ``OSError`` it raises becomes
     a :class:`StorageError` that says what is wrong and how to fix it, as in :class:`FsspecStorage`.
     """
-    if isinstance(url, (FsspecStorage, _Explained)):
+    if isinstance(url, RetryingStorage):
         return url
-    if isinstance(url, Storage) and not isinstance(url, (str, os.PathLike)):
-        return _Explained(url)
-    return FsspecStorage(os.fspath(url), **storage_options)
+    if isinstance(url, (FsspecStorage, _Explained)):
+        inner: Any = url
+    elif isinstance(url, Storage) and not isinstance(url, (str, os.PathLike)):
+        inner = _Explained(url)
+    else:
+        inner = FsspecStorage(os.fspath(url), **storage_options)
+    return RetryingStorage(inner, retry)  # type: ignore[return-value]

@@ -20,10 +20,15 @@ from .format import FORMAT_VERSION, BaseName, SegmentName, decode_commit, decode
 from .storage import Storage
 from .tree import unpack_tree
 
-__all__ = ["RUN_FILE", "Inventory", "RestorePlan", "RunStore"]
+__all__ = ["RUN_FILE", "Inventory", "RestorePlan", "RunStore", "session_path"]
 
 log = logging.getLogger("diffckpt")
 RUN_FILE = "run.json"
+
+
+def session_path(gen: int) -> str:
+    """Where session ``gen`` records what it was started with."""
+    return f"sessions/g{gen:06d}.json"
 
 
 @dataclass
@@ -99,7 +104,7 @@ class RunStore:
 
     def session_meta(self, gen: int) -> dict[str, Any]:
         """What session ``gen`` recorded when it started (parameters, optimizers, options)."""
-        path = f"sessions/g{gen:06d}.json"
+        path = session_path(gen)
         try:
             meta = json.loads(self.storage.read(path))
         except CheckpointNotFoundError:
@@ -115,14 +120,34 @@ class RunStore:
         return meta
 
     def start_session(self, meta: dict[str, Any]) -> int:
-        """Register a new writer session and return its generation number."""
-        inv = self.inventory()
-        gen = max(inv.gens(), default=0) + 1
+        """Register a new writer session and return its generation number.
+
+        The session file is created atomically (exclusive create), so two jobs starting on the
+        same run root at once get different generations and never write the same objects.
+        """
         run = {"format": "diffckpt", "version": FORMAT_VERSION, "updated": time.time()}
         self.storage.write(RUN_FILE, json.dumps(run, sort_keys=True).encode())
-        body = dict(meta, gen=gen, started=time.time())
-        self.storage.write(f"sessions/g{gen:06d}.json", json.dumps(body, indent=1, sort_keys=True).encode())
-        return gen
+        gen = max(self.inventory().gens(), default=0) + 1
+        while True:
+            body = dict(meta, gen=gen, started=time.time())
+            if self.storage.create(session_path(gen), json.dumps(body, indent=1, sort_keys=True).encode()):
+                return gen
+            log.warning("diffckpt: session g%d of %s was just started by another job; taking g%d",
+                        gen, self.storage.url, gen + 1)
+            gen += 1
+
+    def newer_session(self, gen: int, storage: Storage | None = None) -> dict[str, Any] | None:
+        """What the session after ``gen`` recorded, if one started (``None`` otherwise)."""
+        storage = storage or self.storage
+        try:  # one GET: cheaper on object stores than an existence check and then a read
+            data = storage.read(session_path(gen + 1))
+        except CheckpointNotFoundError:
+            return None
+        try:
+            meta = json.loads(data)
+        except ValueError:
+            meta = None
+        return meta if isinstance(meta, dict) else {"gen": gen + 1}
 
     # --------------------------------------------------------------- planning
     def plan(self, step: int | None = None, inv: Inventory | None = None) -> RestorePlan:

@@ -3,6 +3,13 @@
 The training thread hands over already-copied records through a queue bounded in bytes. When
 the queue is full the training thread waits and a warning says so; nothing is dropped. The first
 background error is kept and re-raised on the training thread (next put, flush or close).
+
+Storage outages: a write that keeps failing transiently past the retry budget is retried at the
+policy's longest backoff until it succeeds, while training goes on and the queue fills. Once the
+queue is full, training waits (``on_storage_error="block"``) or gets a
+:class:`~diffckpt.StorageUnavailableError` (``"raise"``). Before each commit the writer checks
+that no newer session started on the run root, and stops with a
+:class:`~diffckpt.ConcurrentWriterError` if one did (fencing an old job that still runs).
 """
 
 from __future__ import annotations
@@ -18,9 +25,10 @@ from typing import Any
 import torch
 
 from .capture import fingerprint
-from .errors import DiffCkptError
+from .errors import ConcurrentWriterError, DiffCkptError, StorageUnavailableError
 from .format import BaseName, SegmentName, digest_parts, encode_commit, encode_segment_parts
 from .options import CheckpointOptions
+from .retry import RetryingStorage
 from .store import RunStore
 from .tree import pack_parts
 
@@ -41,6 +49,8 @@ class WriterStats:
     raw_record_bytes: int = 0
     stall_seconds: float = 0.0
     write_seconds: float = 0.0
+    outages: int = 0
+    outage_seconds: float = 0.0
 
 
 class BackgroundWriter:
@@ -52,8 +62,16 @@ class BackgroundWriter:
         self.options = options
         self.stats = WriterStats()
         self.durable_step: int | None = None
+        self.last_step = after  # newest step handed to the writer
         self._after = after  # step the next segment continues from
         self._pending: list[dict[str, Any]] = []
+        self._pending_bytes: list[int] = []  # queue bytes still held by pending records
+        self._abandon = threading.Event()
+        storage = store.storage
+        self.storage = storage.with_cancel(self._abandon) if isinstance(storage, RetryingStorage) else storage
+        self._outage_since: float | None = None
+        self._outage_error = ""
+        self._outage_logged = 0.0
         self._last_buffers: dict[str, torch.Tensor] | None = None
         self._queue: collections.deque[tuple[str, Any, int]] = collections.deque()
         self._queued_bytes = 0
@@ -67,6 +85,7 @@ class BackgroundWriter:
     def put_record(self, record: dict[str, Any], nbytes: int) -> None:
         """Queue one step record (tensors already copied)."""
         self._put("record", record, nbytes)
+        self.last_step = record["step"]
 
     def put_base(self, step: int, tree: dict[str, Any], params: list[torch.Tensor], nbytes: int) -> None:
         """Queue a full base; ``params`` are the copied parameters to fingerprint."""
@@ -76,29 +95,54 @@ class BackgroundWriter:
         """Run ``fn`` on the writer thread after everything queued before it is durable."""
         self._put("call", fn, 0)
 
-    def flush(self) -> int | None:
-        """Block until everything queued so far is committed; return the durable step."""
+    def flush(self, timeout: float | None = None) -> int | None:
+        """Block until everything queued so far is committed; return the durable step.
+
+        Raises:
+            TimeoutError: not done within ``timeout`` seconds (the writer goes on).
+            StorageUnavailableError: storage is in an outage and ``on_storage_error="raise"``.
+        """
         done = threading.Event()
         self._put("flush", done, 0)
+        deadline = None if timeout is None else time.monotonic() + timeout
         while not done.wait(0.1):
             self._raise_if_failed()
+            self._raise_if_outage("a flush cannot complete")
             if not self._thread.is_alive():
                 break
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"diffckpt: flush not done within {timeout}s")
         self._raise_if_failed()
         return self.durable_step
 
-    def close(self) -> int | None:
-        """Flush, stop the thread, and return the durable step."""
+    def close(self, timeout: float | None = None) -> int | None:
+        """Flush, stop the thread, and return the durable step.
+
+        With ``timeout``, give up flushing after that many seconds (preemption leaves little
+        time): what is not committed by then is lost, and an error is logged that says which
+        steps are durable and which are not. Without it, wait as ``on_storage_error`` says.
+        """
         if self._closed:
             return self.durable_step
+        abandoned = False
         try:
-            self.flush()
+            self.flush(timeout)
+        except (TimeoutError, StorageUnavailableError) as exc:
+            if timeout is None:
+                raise
+            abandoned = True
+            self._abandon.set()
+            log.error("diffckpt: gave up the final flush (%s): durable up to step %s in %s; steps %s..%d were "
+                      "not written and are lost", exc if isinstance(exc, StorageUnavailableError) else
+                      f"not done within {timeout}s", self.durable_step, self.store.storage.url,
+                      (self.durable_step or 0) + 1, self.last_step)
         finally:
             with self._cond:
                 self._closed = True
                 self._cond.notify_all()
-            self._thread.join()
-        if self._pending:
+            # An abandoned writer may sit in a network call; it is a daemon thread, so let it be.
+            self._thread.join(timeout=5.0 if abandoned else None)
+        if self._pending and not abandoned:
             log.info("diffckpt: %d trailing step(s) after the last restorable step were not kept",
                      len(self._pending))
         return self.durable_step
@@ -111,21 +155,40 @@ class BackgroundWriter:
         if self._error is not None:
             raise DiffCkptError(f"diffckpt background writer failed: {self._error}") from self._error
 
+    def _raise_if_outage(self, situation: str) -> None:
+        since = self._outage_since
+        if since is None or self.options.on_storage_error != "raise":
+            return
+        raise StorageUnavailableError(
+            f"storage at {self.store.storage.url} has been failing for {time.monotonic() - since:.0f}s "
+            f"({self._outage_error}) and {situation}: durable up to step {self.durable_step}, steps after "
+            "it are in memory only. Raised because on_storage_error='raise'; use 'block' to make training "
+            "wait for storage instead, or raise max_pending_bytes to ride out longer outages")
+
     def _put(self, kind: str, item: Any, nbytes: int) -> None:
         self._raise_if_failed()
         if self._closed:
             raise DiffCkptError("the checkpoint writer is closed; create a new one to write more")
         with self._cond:
             start = None
+            # Bytes of pending records count too; while the queue is empty the writer is idle and
+            # pending records are at most one segment, so there is nothing to wait for.
             while self._queue and self._queued_bytes + nbytes > self.options.max_pending_bytes:
                 if self._error is not None:
                     break
+                self._raise_if_outage(f"the checkpoint buffer is full ({self._queued_bytes >> 20} MiB, "
+                                      f"max_pending_bytes {self.options.max_pending_bytes >> 20} MiB)")
                 if start is None:
                     start = time.monotonic()
+                    since = self._outage_since
+                    cause = (f"storage has been failing for {start - since:.0f}s ({self._outage_error}); "
+                             f"durable up to step {self.durable_step}" if since is not None
+                             else "storage is slower than training")
                     log.warning(
-                        "diffckpt: writer is behind (%d MiB queued, limit %d MiB); training waits "
-                        "for storage. Raise max_pending_bytes, write_batch or every_n_steps, or use "
-                        "faster storage.", self._queued_bytes >> 20, self.options.max_pending_bytes >> 20)
+                        "diffckpt: writer is behind (%d MiB queued, limit %d MiB): %s; training waits "
+                        "for storage and nothing is dropped. Raise max_pending_bytes, write_batch or "
+                        "every_n_steps, or use faster storage.", self._queued_bytes >> 20,
+                        self.options.max_pending_bytes >> 20, cause)
                 self._cond.wait(0.5)
             if start is not None:
                 self.stats.stall_seconds += time.monotonic() - start
@@ -143,8 +206,12 @@ class BackgroundWriter:
                 if not self._queue:
                     return
                 kind, item, nbytes = self._queue.popleft()
+            held = False  # a record's bytes stay counted until its segment is written
             try:
                 if self._error is None:
+                    if kind == "record":
+                        self._pending_bytes.append(nbytes)
+                        held = True
                     self._handle(kind, item)
             except BaseException as exc:  # kept and re-raised on the training thread
                 log.error("diffckpt: background write failed: %s", exc)
@@ -153,7 +220,8 @@ class BackgroundWriter:
                 if kind == "flush":
                     item.set()
                 with self._cond:
-                    self._queued_bytes -= nbytes
+                    if not held:
+                        self._queued_bytes -= nbytes
                     self._cond.notify_all()
 
     def _handle(self, kind: str, item: Any) -> None:
@@ -187,14 +255,19 @@ class BackgroundWriter:
         cut = max((i + 1 for i, r in enumerate(self._pending) if r.get("state") is not None), default=0)
         if not cut:
             return
-        records, self._pending = self._pending[:cut], self._pending[cut:]
+        records = self._pending[:cut]
         name = SegmentName(self._after, records[-1]["step"], self.gen)
         header = {"gen": self.gen, "after": self._after, "last": name.last}
         start = time.monotonic()
         info: dict[str, Any] = {}
         parts = encode_segment_parts(header, records, self.options.compression, self.options.compression_level, info)
-        self.store.storage.write(name.path, parts)
+        self._commit(name.path, parts)
         self.stats.write_seconds += time.monotonic() - start
+        del self._pending[:cut]
+        with self._cond:
+            self._queued_bytes -= sum(self._pending_bytes[:cut])
+            del self._pending_bytes[:cut]
+            self._cond.notify_all()
         self.stats.segments += 1
         self.stats.records += len(records)
         self.stats.segment_bytes += sum(len(p) for p in parts)
@@ -206,15 +279,62 @@ class BackgroundWriter:
         start = time.monotonic()
         name = BaseName(step, self.gen)
         parts = pack_parts(tree)
-        self.store.storage.write(name.state_path, parts)
+        self._commit(name.state_path, parts)
         digest = digest_parts(parts)
         size = sum(len(p) for p in parts)
         commit = {"step": step, "gen": self.gen, "fingerprint": fingerprint(params),
                   "files": {"state.safetensors": {"size": size, "sha256": digest.hexdigest()}}}
-        self.store.storage.write(name.commit_path, encode_commit(commit))
+        self._commit(name.commit_path, encode_commit(commit))
         self.stats.write_seconds += time.monotonic() - start
         self.stats.bases += 1
         self.stats.base_bytes += size
         self._after = step
         self._last_buffers = None
         self.durable_step = step if self.durable_step is None else max(self.durable_step, step)
+
+    def _commit(self, path: str, data: Any) -> None:
+        """Write one object: fenced against newer sessions, retried through outages."""
+        while True:
+            try:
+                self._check_fence()
+                self.storage.write(path, data)
+                break
+            except StorageUnavailableError as exc:
+                if self._abandon.is_set():
+                    raise
+                self._note_outage(path, exc)
+                if self._abandon.wait(self.options.retry.max_backoff_s):
+                    raise
+        if self._outage_since is not None:
+            lasted = time.monotonic() - self._outage_since
+            self.stats.outage_seconds += lasted
+            log.warning("diffckpt: storage at %s is back after %.1fs; %.1f MiB of buffered steps drain now",
+                        self.store.storage.url, lasted, self._queued_bytes / 2**20)
+            self._outage_since = None
+
+    def _check_fence(self) -> None:
+        newer = self.store.newer_session(self.gen, self.storage)
+        if newer is not None:
+            raise ConcurrentWriterError(
+                f"another job started writing to {self.store.storage.url} (session g{newer.get('gen')}, host "
+                f"{newer.get('host', '?')}, pid {newer.get('pid', '?')}, resumed from step "
+                f"{newer.get('resumed_from', '?')}); this job (session g{self.gen}) stopped writing so the two do "
+                f"not interleave. Its steps up to {self.durable_step} stay restorable. Stop this job, or give "
+                "each job its own dirpath")
+
+    def _note_outage(self, path: str, exc: StorageUnavailableError) -> None:
+        self._outage_error = str(exc.__cause__ or exc)
+        now = time.monotonic()
+        if self._outage_since is None:
+            self._outage_since = now
+            self._outage_logged = now
+            self.stats.outages += 1
+            log.warning("diffckpt: storage outage while committing %s: %s. Durable up to step %s; training goes "
+                        "on while buffered steps fit in max_pending_bytes (%d MiB), then %s. Retrying every %gs.",
+                        path, exc, self.durable_step, self.options.max_pending_bytes >> 20,
+                        "waits" if self.options.on_storage_error == "block" else "raises",
+                        self.options.retry.max_backoff_s)
+        elif now - self._outage_logged >= 60:
+            self._outage_logged = now
+            log.warning("diffckpt: storage still failing after %.0fs (%s); durable up to step %s, %.1f MiB buffered",
+                        now - self._outage_since, self._outage_error, self.durable_step, self._queued_bytes / 2**20)

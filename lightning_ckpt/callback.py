@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 from typing import Any
 
 import lightning.pytorch as pl
@@ -71,6 +73,7 @@ class DiffCheckpoint(ModelCheckpoint):
         self._restored: tuple[int, Any] | None = None
         self._rank_states: list[dict[str, Any]] | None = None
         self._order = SamplerOrderTracker()
+        self._last_ref: str | None = None
 
     # ---------------------------------------------------------------- identity
     @property
@@ -85,7 +88,16 @@ class DiffCheckpoint(ModelCheckpoint):
     def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
         # Lightning resolves ckpt_path="last" through this; run.json is rewritten at every session
         # start, and DiffCheckpointIO resolves it to the newest durable step.
-        return {self._run_file()} if self.engine.store.is_run() else set()
+        if not self.engine.store.is_run():
+            return set()
+        if self.engine.storage_is_local:
+            return {self._run_file()}
+        # Lightning stats the candidate with a file system built from the path alone, which
+        # knows neither our storage_options nor the endpoint: hand it a local reference instead.
+        if self._last_ref is None:
+            self._last_ref = os.path.join(tempfile.mkdtemp(prefix="diffckpt-last-"), "last.ckpt")
+        write_reference(self._last_ref, self.url, None, {})
+        return {self._last_ref}
 
     def _run_file(self) -> str:
         return self.url.rstrip("/") + "/" + RUN_FILE
@@ -270,7 +282,7 @@ class DiffCheckpoint(ModelCheckpoint):
     # ---------------------------------------------------------------- shutdown
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         try:
-            self._close(reason=f"{type(exception).__name__}")
+            self._close(f"interrupted by {type(exception).__name__}", self.options.flush_timeout_s)
         except Exception:  # the original exception is what the user must see
             log.exception("diffckpt: flushing after %s failed too", type(exception).__name__)
 
@@ -280,12 +292,18 @@ class DiffCheckpoint(ModelCheckpoint):
             if self._step_open(trainer):
                 self._commit(self._take(trainer, "batch_start"))
         self._commit_epoch_end(trainer)
-        self._close(reason="end of training")
+        if trainer.received_sigterm:  # preempted: the flush must end before the grace period does
+            self._close("stopped by SIGTERM", self.options.flush_timeout_s)
+        else:
+            self._close("end of training")
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._close(reason="teardown")
+        self._close("teardown")
+        if self._last_ref is not None:
+            shutil.rmtree(os.path.dirname(self._last_ref), ignore_errors=True)
+            self._last_ref = None
 
-    def _close(self, reason: str) -> None:
+    def _close(self, reason: str, timeout: float | None = None) -> None:
         self._order.uninstall()
         if not self.engine.started:
             for path, step in self._pending_refs:
@@ -293,7 +311,7 @@ class DiffCheckpoint(ModelCheckpoint):
                             "checkpoints through DiffCheckpointIO while fitting)", path, step)
             self._pending_refs = []
             return
-        durable = self.engine.close()
+        durable = self.engine.close(timeout)
         self.durable_step = durable
         pending, self._pending_refs = self._pending_refs, []
         for path, step in pending:
@@ -301,7 +319,8 @@ class DiffCheckpoint(ModelCheckpoint):
                 write_reference(path, self.url, step, self.storage_options)
             else:
                 log.warning("diffckpt: %s was not written: step %d never became durable", path, step)
-        log.info("diffckpt: %s; durable up to step %s in %s", reason, durable, self.url)
+        (log.info if timeout is None else log.warning)("diffckpt: %s; durable up to step %s in %s",
+                                                       reason, durable, self.url)
 
     # ---------------------------------------------------------------- restore
     def restore_checkpoint(self, url: str, step: int | None) -> dict[str, Any]:

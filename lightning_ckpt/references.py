@@ -30,7 +30,8 @@ def _split(path: str) -> tuple[str, str]:
     return os.path.dirname(path) or ".", os.path.basename(path)
 
 
-def write_reference(path: str, url: str, step: int, storage_options: dict[str, Any]) -> None:
+def write_reference(path: str, url: str, step: int | None, storage_options: dict[str, Any]) -> None:
+    """Write a reference to ``step`` of the run at ``url`` (``None``: its newest durable step)."""
     directory, name = _split(os.fspath(path))
     body = {"format": REF_FORMAT, "version": 1, "run": url, "step": step}
     FsspecStorage(directory, **storage_options).write(name, json.dumps(body, indent=1).encode())
@@ -80,5 +81,5 @@ def resolve_target(path: str, storage_options: dict[str, Any] | None = None) -> 
     ref = _read_reference(path, opts)
     if ref is None:
         return None
-    newest = posixpath.basename(path).startswith("last")
+    newest = posixpath.basename(path).startswith("last") or ref.get("step") is None
     return str(ref["run"]), None if newest else int(ref["step"])

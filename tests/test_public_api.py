@@ -6,10 +6,10 @@ import lightning_ckpt
 
 def test_core_public_api():
     assert sorted(diffckpt.__all__) == [
-        "CheckpointEngine", "CheckpointNotFoundError", "CheckpointOptions", "CorruptRecordError",
-        "DiffCkptError", "FsspecStorage", "IncompatibleCheckpointError", "ReplayMismatchError",
-        "ReplayResult", "Storage", "StorageError", "UnsupportedConfigurationError", "load_state",
-        "open_storage",
+        "CheckpointEngine", "CheckpointNotFoundError", "CheckpointOptions", "ConcurrentWriterError",
+        "CorruptRecordError", "DiffCkptError", "FsspecStorage", "IncompatibleCheckpointError",
+        "ReplayMismatchError", "ReplayResult", "RetryPolicy", "Storage", "StorageError",
+        "StorageUnavailableError", "UnsupportedConfigurationError", "load_state", "open_storage",
     ]
     assert all(hasattr(diffckpt, name) for name in diffckpt.__all__)
 
@@ -22,8 +22,11 @@ def test_error_tree_inherits_builtins():
     assert issubclass(diffckpt.CorruptRecordError, ValueError)
     assert issubclass(diffckpt.CheckpointNotFoundError, FileNotFoundError)
     assert issubclass(diffckpt.StorageError, OSError)
+    assert issubclass(diffckpt.StorageUnavailableError, diffckpt.StorageError)
+    assert issubclass(diffckpt.ConcurrentWriterError, RuntimeError)
     for name in ("CorruptRecordError", "CheckpointNotFoundError", "IncompatibleCheckpointError",
-                 "ReplayMismatchError", "UnsupportedConfigurationError", "StorageError"):
+                 "ReplayMismatchError", "UnsupportedConfigurationError", "StorageError",
+                 "StorageUnavailableError", "ConcurrentWriterError"):
         assert issubclass(getattr(diffckpt, name), diffckpt.DiffCkptError)
 
 

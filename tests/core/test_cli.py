@@ -85,7 +85,7 @@ newest durable step 13 (g1): ckpt_path="<TMP>/run" (or "last" with DiffCheckpoin
 sessions
   gen  started                  resumed_from  durable  newest  ckpt_path
   g1   2023-11-14 22:13:20 UTC  0             0..13    13      <TMP>/run/step=13
-  g1 settings: base_every_n_steps=5 compression=none compression_level=1 every_n_steps=1 fingerprint_every_n_steps=2 max_pending_bytes=268435456 write_batch=3
+  g1 settings: base_every_n_steps=5 compression=none compression_level=1 every_n_steps=1 fingerprint_every_n_steps=2 flush_timeout_s=30.0 max_pending_bytes=268435456 on_storage_error=block retry.budget_s=60.0 retry.initial_backoff_s=0.2 retry.max_backoff_s=10.0 write_batch=3
 
 bases
   step  gen  size     path
@@ -102,10 +102,10 @@ segments
   10..13       g1   3      7.7 KiB  diffs/000000000010-000000000013.g000001.seg
 
 totals
-  on storage  48.3 KiB (49487 B)
+  on storage  48.5 KiB (49666 B)
   bases       13.9 KiB (14272 B)
   diffs       33.6 KiB (34434 B) over 13 steps, 2.6 KiB per step
-  other       781 B (781 B)
+  other       960 B (960 B)
 
 resume any durable step N with ckpt_path="<TMP>/run/step=N"
 """
@@ -115,10 +115,11 @@ def test_ls_golden(tmp_path: Path, capsys: Cap) -> None:
     root = tmp_path / "run"
     # Uncompressed, so sizes depend on tensor shapes only, not on the float bits a CPU produces.
     build_run(root, compression="none")
-    # Fixed timestamps: they appear in the listing and their digits change the JSON file sizes.
+    # Fixed timestamps, host and pid: the listing shows times, and their digits change the JSON sizes.
     for name, key in (("sessions/g000001.json", "started"), ("run.json", "updated")):
         body = json.loads((root / name).read_text())
         body[key] = 1700000000.0
+        body.update({"host": "host", "pid": 1} if "host" in body else {})
         indent = 1 if name.startswith("sessions") else None
         (root / name).write_text(json.dumps(body, indent=indent, sort_keys=True))
     rc, out, err = cli(capsys, "ls", root)

@@ -120,10 +120,11 @@ class FaultyStorage:
     """A :class:`diffckpt.Storage` over a real :class:`FsspecStorage` that fails its ``fail_at``-th
     write with ``OSError(code)`` (what a full or read-only disk raises) and may add latency.
 
-    After the failure it keeps refusing writes, as a full disk would."""
+    After the failure it keeps refusing writes, as a full disk would. While ``down`` is set, every
+    call fails with ``ConnectionResetError``, as a store in an outage does."""
 
     def __init__(self, root: str, fail_at: int | None = None, code: int = errno.ENOSPC,
-                 latency: float = 0.0) -> None:
+                 latency: float = 0.0, down: threading.Event | None = None) -> None:
         self.inner = FsspecStorage(root)
         self.url = self.inner.url
         self.fail_at = fail_at
@@ -133,8 +134,16 @@ class FaultyStorage:
         self.written: list[str] = []
         self.failed: list[str] = []
         self.failed_on: list[str] = []  # thread names
+        self.down = down or threading.Event()
+        self.refused = 0  # calls refused while down
+
+    def _reachable(self, path: str) -> None:
+        if self.down.is_set():
+            self.refused += 1
+            raise ConnectionResetError(errno.ECONNRESET, "Connection reset by peer", path)
 
     def write(self, path: str, data: bytes) -> None:
+        self._reachable(path)
         if self.latency:
             time.sleep(self.latency)
         self.writes += 1
@@ -145,14 +154,23 @@ class FaultyStorage:
         self.inner.write(path, data)
         self.written.append(path)
 
+    def create(self, path: str, data: bytes) -> bool:
+        self._reachable(path)
+        self.written.append(path)
+        return self.inner.create(path, data)
+
     def read(self, path: str) -> bytes:
+        self._reachable(path)
         return self.inner.read(path)
 
     def list(self, prefix: str) -> dict[str, int]:
+        self._reachable(prefix)
         return self.inner.list(prefix)
 
     def delete(self, path: str) -> None:
+        self._reachable(path)
         self.inner.delete(path)
 
     def exists(self, path: str) -> bool:
+        self._reachable(path)
         return self.inner.exists(path)

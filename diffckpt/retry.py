@@ -1,0 +1,169 @@
+"""Retrying transient storage faults with exponential backoff and full jitter.
+
+Object stores fail transiently all the time: timeouts, 5xx answers, throttling (``SlowDown``),
+connections reset mid-upload. Such failures are retried here until the policy's budget is spent;
+permanent ones (permissions, a missing bucket, a full disk, bad arguments) are raised at once,
+since retrying cannot fix them. Every write diffckpt makes is idempotent (whole objects, fixed
+names), so repeating one after an unknown outcome is safe.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from .errors import DiffCkptError, StorageUnavailableError
+
+__all__ = ["RetryPolicy", "RetryingStorage", "is_transient"]
+
+log = logging.getLogger("diffckpt")
+T = TypeVar("T")
+
+_TRANSIENT_ERRNOS = {errno.EBUSY, errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.ETIMEDOUT,
+                     errno.EPIPE, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN, errno.EAGAIN,
+                     getattr(errno, "EREMOTEIO", errno.EIO)}
+# Exception classes of botocore, aiohttp, urllib3 and fsspec that mean "try again", by name so
+# that the core imports none of them.
+_TRANSIENT_NAMES = {"EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError",
+                    "ClientConnectorError", "ClientConnectionError", "ServerDisconnectedError",
+                    "ClientPayloadError", "ClientOSError", "ServerTimeoutError", "IncompleteRead",
+                    "ResponseStreamingError", "ProtocolError", "HTTPClientError", "FSTimeoutError",
+                    "ResponseParserError", "RemoteDisconnected"}
+_PERMANENT = (PermissionError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) is a fault that may go away when retried."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, StorageUnavailableError):
+            return True
+        if isinstance(current, _PERMANENT):
+            return False
+        if isinstance(current, (TimeoutError, ConnectionError)):
+            return True
+        if getattr(current, "errno", None) in _TRANSIENT_ERRNOS or type(current).__name__ in _TRANSIENT_NAMES:
+            return True
+        response = getattr(current, "response", None)  # botocore's ClientError
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") if isinstance(response, dict) else None
+        if isinstance(status, int) and (status >= 500 or status == 429):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetryPolicy:
+    """How long to keep retrying one storage operation that fails transiently.
+
+    Attributes:
+        budget_s: give up on one operation after retrying it for this long (and at least twice,
+            however long one attempt takes). In the background
+            writer that starts an *outage*: the writer keeps retrying at ``max_backoff_s`` while
+            training goes on and buffers (see ``CheckpointOptions.on_storage_error``).
+        initial_backoff_s: first wait; each retry doubles the ceiling.
+        max_backoff_s: ceiling of one wait. Waits are drawn uniformly below the ceiling (full
+            jitter), so many writers do not retry in lockstep.
+    """
+
+    budget_s: float = 60.0
+    initial_backoff_s: float = 0.2
+    max_backoff_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("budget_s", "initial_backoff_s", "max_backoff_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"RetryPolicy.{name} must be a non-negative number, got {value!r}")
+
+    def delay(self, attempt: int) -> float:
+        """Wait before retry number ``attempt`` (1-based)."""
+        return random.uniform(0, min(self.max_backoff_s, self.initial_backoff_s * 2 ** (attempt - 1)))
+
+    def call(self, fn: Callable[[], T], what: str, cancel: threading.Event | None = None) -> T:
+        """Run ``fn``, retrying transient failures until the budget is spent.
+
+        Raises:
+            StorageUnavailableError: transient failures lasted longer than ``budget_s`` (or
+                ``cancel`` was set while waiting).
+            Exception: a permanent failure, unchanged, at once.
+        """
+        start = time.monotonic()
+        attempt = 0
+        while True:
+            try:
+                return fn()
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                attempt += 1
+                elapsed = time.monotonic() - start
+                wait = self.delay(attempt)
+                if (attempt > 2 and elapsed + wait > self.budget_s) or (cancel is not None and cancel.is_set()):
+                    raise StorageUnavailableError(
+                        f"cannot {what}: storage kept failing for {elapsed:.1f}s ({attempt} attempts; last "
+                        f"error: {_describe(exc)}). Check that the endpoint is reachable and healthy; "
+                        "RetryPolicy.budget_s sets how long to retry") from exc
+                (log.warning if attempt == 1 else log.info)(
+                    "diffckpt: %s failed (%s); transient, retry %d in %.2fs", what, _describe(exc), attempt, wait)
+                if cancel is not None and cancel.wait(wait):
+                    raise StorageUnavailableError(f"cannot {what}: given up while retrying (last error: "
+                                                  f"{_describe(exc)})") from exc
+                if cancel is None:
+                    time.sleep(wait)
+
+
+def _describe(exc: BaseException) -> str:
+    root = exc
+    while isinstance(root, DiffCkptError) and root.__cause__ is not None:
+        root = root.__cause__
+    return f"{type(root).__name__}: {root}"
+
+
+class RetryingStorage:
+    """A :class:`~diffckpt.storage.Storage` that retries the transient failures of another."""
+
+    def __init__(self, inner: Any, policy: RetryPolicy | None = None, cancel: threading.Event | None = None) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.policy = policy or RetryPolicy()
+        self.cancel = cancel
+
+    def with_cancel(self, cancel: threading.Event) -> RetryingStorage:
+        """The same storage, whose waits end early (raising) once ``cancel`` is set."""
+        return RetryingStorage(self.inner, self.policy, cancel)
+
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
+        return self.policy.call(fn, what, self.cancel)
+
+    def write(self, path: str, data: Any) -> None:
+        self._call(f"write {self.url}/{path}", lambda: self.inner.write(path, data))
+
+    def create(self, path: str, data: bytes) -> bool:
+        return self._call(f"create {self.url}/{path}", lambda: self.inner.create(path, data))
+
+    def read(self, path: str) -> bytes:
+        return self._call(f"read {self.url}/{path}", lambda: self.inner.read(path))
+
+    def list(self, prefix: str) -> dict[str, int]:
+        return self._call(f"list {self.url}/{prefix}", lambda: self.inner.list(prefix))
+
+    def delete(self, path: str) -> None:
+        self._call(f"delete {self.url}/{path}", lambda: self.inner.delete(path))
+
+    def exists(self, path: str) -> bool:
+        return self._call(f"reach {self.url}/{path}", lambda: self.inner.exists(path))
+
+
+
+def unwrap(storage: Any) -> Any:
+    """The storage under a :class:`RetryingStorage` (any other storage as it is)."""
+    return storage.inner if isinstance(storage, RetryingStorage) else storage
