@@ -1,0 +1,184 @@
+"""Crash-consistency trials: train in a subprocess, ``kill -9`` it at a chosen or random instant,
+then check what is on storage and resume from it in a fresh process.
+
+A trial passes when:
+- every committed object passes ``diffckpt verify`` (no torn or partial object is visible);
+- the resumed process restores a step at least as new as the last one the killed process
+  reported durable, and at most one step newer than the last one it finished;
+- the restored state is bitwise the uninterrupted run's state at that step, and training on from
+  it ends bitwise where the uninterrupted run ended (checked inside ``crash_script.py resume``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import crash_script
+import torch
+from helpers import subprocess_env
+
+from diffckpt import cli
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "crash_script.py")
+STEPS = 40
+BASE_EVERY = 10
+WRITE_BATCH = 4
+
+
+@dataclass
+class Trial:
+    """Where to write and when to kill.
+
+    ``kill``: ``("random", seed)``; ``("pause-before"|"pause-after", regex)`` stops the writer
+    around a matching write and kills then; ``("proxy", regex, body_bytes)`` holds a matching
+    PUT in the fault proxy after that many body bytes (mid-upload) and kills then.
+    """
+
+    name: str
+    url: str
+    env: dict[str, str]
+    kill: tuple[Any, ...]
+    proxy: Any = None  # FaultProxy for ("proxy", ...) kills
+    forward_after_kill: bool = False  # let the held request reach S3 after the writer died
+
+
+@dataclass
+class Outcome:
+    phase: str
+    last_step: int
+    last_durable: int | None
+    restored: int | None
+    lines: list[str] = field(default_factory=list)
+
+
+def truth_file(directory: str) -> str:
+    out = os.path.join(directory, "truth.pt")
+    if not os.path.exists(out):
+        _run(["truth", "--out", out], subprocess_env())
+    return out
+
+
+def _run(args: list[str], env: dict[str, str]) -> str:
+    proc = subprocess.run([sys.executable, SCRIPT, *args, "--steps", str(STEPS)], check=False, env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return proc.stdout
+
+
+def _phase(lines: list[str], kill: tuple[Any, ...]) -> str:
+    """What the killed process was doing: the write in flight, if any."""
+    if kill[0] != "random":
+        return f"{kill[0]} {kill[1]}"
+    open_writes: dict[str, None] = {}
+    for line in lines:
+        if line.startswith("BEGIN "):
+            open_writes[line.split()[1]] = None
+        elif line.startswith("END "):
+            open_writes.pop(line.split()[1], None)
+    if not open_writes:
+        return "training (no write in flight)"
+    path = next(iter(open_writes))
+    kind = "segment" if path.startswith("diffs/") else "base COMMIT" if path.endswith("COMMIT") else "base state"
+    return f"writing a {kind}"
+
+
+def run_trial(trial: Trial, truth: str) -> Outcome:
+    args = ["train", "--url", trial.url, "--write-batch", str(WRITE_BATCH), "--base-every", str(BASE_EVERY)]
+    handle = None
+    kill = trial.kill
+    if kill[0] in ("pause-before", "pause-after"):
+        args += [f"--{kill[0]}", kill[1]]
+    elif kill[0] == "proxy":
+        handle = trial.proxy.pause("PUT", kill[1], after_body_bytes=kill[2],
+                                   forward_if_client_gone=trial.forward_after_kill)
+    rng = random.Random(kill[1]) if kill[0] == "random" else None
+    kill_step = rng.randint(1, STEPS - 1) if rng else None
+    proc = subprocess.Popen([sys.executable, SCRIPT, *args, "--steps", str(STEPS)], env=trial.env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    lines: list[str] = []
+    go = threading.Event()
+    when: Callable[[str], bool] = (
+        (lambda line: line.startswith("STEP ") and int(line.split()[1]) >= kill_step) if kill_step is not None
+        else (lambda line: line.startswith("PAUSED ")))
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if when(line):
+                if rng is not None:  # a random instant a little after that step
+                    threading.Event().wait(rng.uniform(0, 0.03))
+                go.set()
+        go.set()  # exited on its own: nothing to wait for
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    if handle is not None:
+        while not handle.reached.wait(0.1) and not go.is_set():
+            pass
+    else:
+        go.wait(120)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    reader.join(timeout=10)
+    if handle is not None:
+        handle.release()
+    steps = [int(x.split()[1]) for x in lines if x.startswith("STEP ")]
+    durable = [int(x.split()[1]) for x in lines if x.startswith("DURABLE ") and x.split()[1] != "None"]
+    outcome = Outcome(_phase(lines, kill), max(steps, default=0), max(durable, default=None), None, lines)
+    assert kill[0] == "random" or any(x.startswith("PAUSED") for x in lines) or handle is None or \
+        handle.reached.is_set(), f"{trial.name}: the kill point was never reached\n" + "\n".join(lines[-20:])
+
+    # Checked in this process, which reaches S3 directly (the proxy's faults are over).
+    rc, out = _in_process(cli.main, ["verify", trial.url])
+    nothing = outcome.last_durable is None and "no committed checkpoint" in out
+    assert rc == 0 or nothing, f"{trial.name}: verify failed after the kill ({outcome.phase}):\n{out}"
+
+    rc, resumed = _in_process(crash_script.main, [
+        "resume", "--url", trial.url, "--truth", truth, "--steps", str(STEPS), "--write-batch",
+        str(WRITE_BATCH), "--base-every", str(BASE_EVERY)])
+    restored = next(int(x.split()[1]) for x in resumed.splitlines() if x.startswith("RESTORED "))
+    outcome.restored = restored
+    assert "OK" in resumed.splitlines(), resumed[-3000:]
+    if outcome.last_durable is not None:
+        assert restored >= outcome.last_durable, (trial.name, outcome.phase, restored, outcome.last_durable)
+    assert restored <= outcome.last_step + 1, (trial.name, outcome.phase, restored, outcome.last_step)
+    return outcome
+
+
+def _in_process(fn: Callable[[list[str]], Any], argv: list[str]) -> tuple[int, str]:
+    """Run ``fn(argv)`` here with its output captured, single-threaded like the subprocesses
+    (so the resumed run computes bit for bit like the uninterrupted one)."""
+    threads = torch.get_num_threads()
+    out = io.StringIO()
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            rc = fn(argv)
+    finally:
+        torch.set_num_threads(threads)
+    return int(rc or 0), out.getvalue()
+
+
+def tally(outcomes: list[Outcome]) -> str:
+    """A table of trials per phase at the kill, and of steps lost."""
+    phases = Counter(o.phase for o in outcomes)
+    lost = Counter(max(0, o.last_step - (o.restored or 0)) for o in outcomes)
+    rows = [f"{len(outcomes)} trials, all restored the newest durable step bit-exactly", "phase at kill:"]
+    rows += [f"  {n:4d}  {phase}" for phase, n in phases.most_common()]
+    rows.append("steps finished but not durable at the kill (lost): " +
+                ", ".join(f"{k}: {v}" for k, v in sorted(lost.items())))
+    return "\n".join(rows)
+
