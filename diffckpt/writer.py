@@ -128,14 +128,18 @@ class BackgroundWriter:
         try:
             self.flush(timeout)
         except (TimeoutError, StorageUnavailableError) as exc:
-            if timeout is None:
-                raise
             abandoned = True
-            self._abandon.set()
+            self._abandon.set()  # ends the writer's retries
             log.error("diffckpt: gave up the final flush (%s): durable up to step %s in %s; steps %s..%d were "
                       "not written and are lost", exc if isinstance(exc, StorageUnavailableError) else
                       f"not done within {timeout}s", self.durable_step, self.store.storage.url,
                       (self.durable_step or 0) + 1, self.last_step)
+            if timeout is None:  # on_storage_error="raise" during an outage
+                raise
+        except BaseException:  # e.g. KeyboardInterrupt while waiting: do not wait on the thread
+            abandoned = True
+            self._abandon.set()
+            raise
         finally:
             with self._cond:
                 self._closed = True

@@ -281,8 +281,9 @@ class DiffCheckpoint(ModelCheckpoint):
 
     # ---------------------------------------------------------------- shutdown
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        reason = "stopped by SIGTERM" if trainer.received_sigterm else f"interrupted by {type(exception).__name__}"
         try:
-            self._close(f"interrupted by {type(exception).__name__}", self.options.flush_timeout_s)
+            self._close(reason, self.options.flush_timeout_s)
         except Exception:  # the original exception is what the user must see
             log.exception("diffckpt: flushing after %s failed too", type(exception).__name__)
 

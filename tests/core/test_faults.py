@@ -272,3 +272,18 @@ def test_create_is_exclusive_and_streaming_writes_whole_objects(tmp_path: Path) 
         parts = [b"0123456789", memoryview(b"abcdefghijklmnop"), b"Z"]
         storage.write("big", parts)
         assert storage.read("big") == b"".join(bytes(p) for p in parts)
+
+
+def test_close_without_timeout_in_raise_mode_does_not_hang_in_an_outage(tmp_path: Path,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    root = tmp_path / "run"
+    storage = FaultyStorage(str(root))
+    engine, truth, m, o = _start(storage, on_storage_error="raise")
+    train_steps(engine, m, o, 1, 3, truth)
+    assert engine.flush() == 3
+    storage.down.set()
+    train_steps(engine, m, o, 4, 6, truth)  # buffered
+    with caplog.at_level(logging.ERROR, logger="diffckpt"), pytest.raises(StorageUnavailableError):
+        engine.close()
+    assert not engine.started and engine.durable_step == 3
+    assert "steps 4..6 were not written" in _messages(caplog)
