@@ -24,6 +24,8 @@ __all__ = ["RetryPolicy", "RetryingStorage", "is_transient"]
 
 log = logging.getLogger("diffckpt")
 T = TypeVar("T")
+# A generator of our own: the global ``random`` state belongs to training, which checkpoints it.
+_jitter = random.Random()
 
 _TRANSIENT_ERRNOS = {errno.EBUSY, errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.ETIMEDOUT,
                      errno.EPIPE, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN, errno.EAGAIN,
@@ -86,7 +88,7 @@ class RetryPolicy:
 
     def delay(self, attempt: int) -> float:
         """Wait before retry number ``attempt`` (1-based)."""
-        return random.uniform(0, min(self.max_backoff_s, self.initial_backoff_s * 2 ** (attempt - 1)))
+        return _jitter.uniform(0, min(self.max_backoff_s, self.initial_backoff_s * 2 ** (attempt - 1)))
 
     def call(self, fn: Callable[[], T], what: str, cancel: threading.Event | None = None) -> T:
         """Run ``fn``, retrying transient failures until the budget is spent.

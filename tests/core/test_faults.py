@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import random
 import threading
 import warnings
 from pathlib import Path
@@ -116,6 +117,13 @@ def test_retry_policy_retries_transient_faults_and_gives_up_after_its_budget() -
     with pytest.raises(PermissionError):
         FAST.call(denied, "write x")
     assert len(calls) == 1  # permanent: no retry
+
+
+def test_retry_jitter_leaves_the_training_rng_alone() -> None:
+    # the global random state is part of the training state that gets checkpointed
+    before = random.getstate()
+    assert all(0 <= RetryPolicy().delay(n) <= 10 for n in range(1, 20))
+    assert random.getstate() == before
 
 
 @pytest.mark.parametrize("field", [{"on_storage_error": "drop"}, {"flush_timeout_s": -1}, {"retry": 3}])
