@@ -36,7 +36,8 @@ _TRANSIENT_NAMES = {"EndpointConnectionError", "ConnectTimeoutError", "ReadTimeo
                     "ClientConnectorError", "ClientConnectionError", "ServerDisconnectedError",
                     "ClientPayloadError", "ClientOSError", "ServerTimeoutError", "IncompleteRead",
                     "ResponseStreamingError", "ProtocolError", "HTTPClientError", "FSTimeoutError",
-                    "ResponseParserError", "RemoteDisconnected"}
+                    "ResponseParserError", "RemoteDisconnected",
+                    "ServiceRequestError", "ServiceResponseError"}  # azure-core (adlfs)
 _PERMANENT = (PermissionError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError)
 
 
@@ -56,7 +57,8 @@ def is_transient(exc: BaseException) -> bool:
             return True
         response = getattr(current, "response", None)  # botocore's ClientError
         status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") if isinstance(response, dict) else None
-        if isinstance(status, int) and (status >= 500 or status == 429):
+        status = status or getattr(current, "status_code", None) or getattr(current, "code", None)  # Azure, GCS
+        if isinstance(status, int) and not isinstance(status, bool) and (status >= 500 or status == 429):
             return True
         current = current.__cause__ or current.__context__
     return False

@@ -180,8 +180,8 @@ class BackgroundWriter:
             while self._queue and self._queued_bytes + nbytes > self.options.max_pending_bytes:
                 if self._error is not None:
                     break
-                self._raise_if_outage(f"the checkpoint buffer is full ({self._queued_bytes >> 20} MiB, "
-                                      f"max_pending_bytes {self.options.max_pending_bytes >> 20} MiB)")
+                self._raise_if_outage(f"the checkpoint buffer is full ({self._queued_bytes / 2**20:.1f} MiB, "
+                                      f"max_pending_bytes {self.options.max_pending_bytes / 2**20:.1f} MiB)")
                 if start is None:
                     start = time.monotonic()
                     since = self._outage_since
@@ -189,10 +189,10 @@ class BackgroundWriter:
                              f"durable up to step {self.durable_step}" if since is not None
                              else "storage is slower than training")
                     log.warning(
-                        "diffckpt: writer is behind (%d MiB queued, limit %d MiB): %s; training waits "
+                        "diffckpt: writer is behind (%.1f MiB queued, limit %.1f MiB): %s; training waits "
                         "for storage and nothing is dropped. Raise max_pending_bytes, write_batch or "
-                        "every_n_steps, or use faster storage.", self._queued_bytes >> 20,
-                        self.options.max_pending_bytes >> 20, cause)
+                        "every_n_steps, or use faster storage.", self._queued_bytes / 2**20,
+                        self.options.max_pending_bytes / 2**20, cause)
                 self._cond.wait(0.5)
             if start is not None:
                 self.stats.stall_seconds += time.monotonic() - start
@@ -334,10 +334,9 @@ class BackgroundWriter:
             self._outage_logged = now
             self.stats.outages += 1
             log.warning("diffckpt: storage outage while committing %s: %s. Durable up to step %s; training goes "
-                        "on while buffered steps fit in max_pending_bytes (%d MiB), then %s. Retrying every %gs.",
-                        path, exc, self.durable_step, self.options.max_pending_bytes >> 20,
-                        "waits" if self.options.on_storage_error == "block" else "raises",
-                        self.options.retry.max_backoff_s)
+                        "on while buffered steps fit in max_pending_bytes (%.1f MiB), then %s. Retrying until "
+                        "storage is back.", path, exc, self.durable_step, self.options.max_pending_bytes / 2**20,
+                        "waits" if self.options.on_storage_error == "block" else "raises")
         elif now - self._outage_logged >= 60:
             self._outage_logged = now
             log.warning("diffckpt: storage still failing after %.0fs (%s); durable up to step %s, %.1f MiB buffered",

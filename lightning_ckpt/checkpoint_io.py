@@ -15,7 +15,7 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from diffckpt.errors import DiffCkptError
-from diffckpt.storage import FsspecStorage
+from diffckpt.storage import open_storage
 
 from .references import _split, is_reference, resolve_target
 
@@ -60,7 +60,7 @@ class DiffCheckpointIO(CheckpointIO):
         def remove() -> None:
             # Decided when it runs: a reference queued before this removal exists by then.
             if is_reference(path, opts):
-                FsspecStorage(directory, **opts).delete(name)
+                open_storage(directory, **opts).delete(name)
             else:
                 self._fallback.remove_checkpoint(path)
 

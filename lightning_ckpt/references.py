@@ -12,7 +12,7 @@ import posixpath
 import re
 from typing import Any
 
-from diffckpt.storage import FsspecStorage
+from diffckpt.storage import FsspecStorage, open_storage
 from diffckpt.store import RUN_FILE
 
 __all__ = ["is_reference", "resolve_target", "write_reference"]
@@ -34,7 +34,7 @@ def write_reference(path: str, url: str, step: int | None, storage_options: dict
     """Write a reference to ``step`` of the run at ``url`` (``None``: its newest durable step)."""
     directory, name = _split(os.fspath(path))
     body = {"format": REF_FORMAT, "version": 1, "run": url, "step": step}
-    FsspecStorage(directory, **storage_options).write(name, json.dumps(body, indent=1).encode())
+    open_storage(directory, **storage_options).write(name, json.dumps(body, indent=1).encode())  # retried
 
 
 def _read_reference(path: str, storage_options: dict[str, Any]) -> dict[str, Any] | None:

@@ -22,13 +22,27 @@ def subprocess_env() -> dict[str, str]:
     return env
 
 
+def script_env(overrides: dict[str, str | None] | None = None) -> dict[str, str]:
+    """:func:`subprocess_env` with ``overrides`` applied; a ``None`` value removes that variable."""
+    env = subprocess_env()
+    for name, value in (overrides or {}).items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    return env
+
+
 def run_script(script: str, args: list[str], kill_at_step: int | None = None, timeout: float = 300,
-               prefix: list[str] | None = None) -> tuple[int, str]:
+               prefix: list[str] | None = None, env: dict[str, str | None] | None = None
+               ) -> tuple[int, str]:
     """Run a training script; with ``kill_at_step``, SIGKILL it once it prints ``STEP <n>`` with
-    ``n >= kill_at_step`` (steps can advance by more than one, e.g. with two optimizers)."""
+    ``n >= kill_at_step`` (steps can advance by more than one, e.g. with two optimizers).
+
+    ``env`` is merged over :func:`subprocess_env`; a ``None`` value removes that variable."""
     cmd = (prefix or [sys.executable]) + [os.path.join(ROOT, script), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=subprocess_env(), start_new_session=True)
+                            env=script_env(env), start_new_session=True)
     lines = []
     assert proc.stdout is not None
     for line in proc.stdout:

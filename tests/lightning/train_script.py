@@ -1,6 +1,7 @@
 """A small but complete Lightning training run, configurable for the exactness tests.
 
-Run as a subprocess: ``python train_script.py CONFIG OUT [--dirpath D] [--resume] [--no-lib]``.
+Run as a subprocess: ``python train_script.py CONFIG OUT [--dirpath D] [--resume] [--no-lib]``
+(``--storage-options``, ``--flush-timeout`` and ``--retry-budget`` configure the storage side).
 It prints ``STEP n`` after every optimizer step (the parent kills it with SIGKILL on a chosen
 step) and, when training ends, saves every tensor of the final model, optimizer, scheduler and
 RNG state to ``OUT`` for a bitwise comparison.
@@ -9,8 +10,11 @@ RNG state to ``OUT`` for a bitwise comparison.
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import random
 import sys
+import time
 
 import lightning as L
 import numpy as np
@@ -98,9 +102,14 @@ class LM(L.LightningModule):
 
 
 class StepPrinter(L.Callback):
+    def __init__(self, sleep: float = 0.0):
+        self.sleep = sleep
+
     def on_train_batch_end(self, trainer, *args):
         if trainer.is_global_zero:
             print(f"STEP {trainer.global_step}", flush=True)
+        if self.sleep:  # slower training, so a test can act between steps (outages, signals)
+            time.sleep(self.sleep)
 
 
 CONFIGS = {
@@ -146,6 +155,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model-checkpoint", help="also save ModelCheckpoints (through DiffCheckpointIO) here")
     ap.add_argument("--mc-every", type=int, default=5)
     ap.add_argument("--mc-first", action="store_true", help="list ModelCheckpoint before DiffCheckpoint")
+    ap.add_argument("--storage-options", type=json.loads, help="JSON dict: DiffCheckpoint(storage_options=...)")
+    ap.add_argument("--flush-timeout", type=float, help="DiffCheckpoint(flush_timeout_s=...)")
+    ap.add_argument("--retry-budget", type=float,
+                    help="DiffCheckpoint(retry=RetryPolicy(budget_s=..., short backoffs))")
+    ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep after every batch")
     args = ap.parse_args(argv)
 
     kwargs, steps = CONFIGS[args.config]
@@ -154,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.use_deterministic_algorithms(True)
     model = LM(args.config, steps)
     loader = StatefulDataLoader(make_data(), batch_size=args.batch_size, shuffle=True)
-    callbacks: list = [StepPrinter()]
+    callbacks: list = [StepPrinter(args.step_sleep)]
     plugins: list = []
     if args.config == "scaler_skip":
         from lightning.pytorch.plugins import MixedPrecision
@@ -163,8 +177,15 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_lib:
         from lightning_ckpt import DiffCheckpoint, DiffCheckpointIO
 
+        extra: dict = {}
+        if args.flush_timeout is not None:
+            extra["flush_timeout_s"] = args.flush_timeout
+        if args.retry_budget is not None:
+            from diffckpt import RetryPolicy
+
+            extra["retry"] = RetryPolicy(budget_s=args.retry_budget, initial_backoff_s=0.05, max_backoff_s=0.2)
         diff = DiffCheckpoint(args.dirpath, write_batch=args.write_batch, base_every_n_steps=args.base_every,
-                              fingerprint_every_n_steps=5)
+                              fingerprint_every_n_steps=5, storage_options=args.storage_options, **extra)
         plugins.append(DiffCheckpointIO())
         callbacks.append(diff)
         if args.model_checkpoint:
@@ -186,4 +207,12 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    # diffckpt's INFO lines (restored step, durable step at close) and its warnings, on stdout with
+    # the STEP lines; only when run as a script, so that in-process runs leave pytest's logging alone.
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    diff_log = logging.getLogger("diffckpt")
+    diff_log.addHandler(handler)
+    diff_log.setLevel(logging.INFO)
+    diff_log.propagate = False
     main(sys.argv[1:])

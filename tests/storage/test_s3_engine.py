@@ -39,7 +39,8 @@ from diffckpt import (
 from diffckpt.store import RunStore
 
 MiB = 1 << 20
-FAST = RetryPolicy(budget_s=0.5, initial_backoff_s=0.02, max_backoff_s=0.1)
+FAST = RetryPolicy(budget_s=0.5, initial_backoff_s=0.02, max_backoff_s=0.1)  # outages start soon
+PATIENT = RetryPolicy(budget_s=30, initial_backoff_s=0.02, max_backoff_s=0.1)  # rides out any fault here
 
 
 def storage(target: S3Target, **kwargs: Any) -> FsspecStorage:
@@ -86,7 +87,7 @@ def test_large_objects_are_uploaded_in_parts_and_a_reset_part_is_retried(
     fault_proxy.reset(2, after_body_bytes=MiB, method="PUT", path_regex=r"partNumber=2")
     big = storage(s3_via_proxy, part_size=5 * MiB, multipart_threshold=5 * MiB)
     m, o = wide()
-    engine = CheckpointEngine(big, CheckpointOptions(write_batch=2, base_every_n_steps=4, retry=FAST))
+    engine = CheckpointEngine(big, CheckpointOptions(write_batch=2, base_every_n_steps=4, retry=PATIENT))
     engine.start(m, o, 0)
     truth: Truth = {0: snapshot(m, o, 0)}
     engine.write_base(0, m.state_dict(), [x.state_dict() for x in o], {"x": 0})
@@ -112,7 +113,7 @@ def test_training_goes_through_5xx_resets_and_latency(s3_via_proxy: S3Target, fa
     fault_proxy.fail(3, status=500, method="PUT")  # s3fs does not retry 500s: diffckpt does
     fault_proxy.reset(2, after_body_bytes=500, method="PUT", path_regex="/diffs/")  # mid-upload
     with caplog.at_level(logging.INFO, logger="diffckpt"):
-        truth, durable = train(storage(s3_via_proxy), retry=FAST)
+        truth, durable = train(storage(s3_via_proxy), retry=PATIENT)
     assert durable == 13
     assert fault_proxy.count(outcome="failed") == 3 and fault_proxy.count(outcome="reset") == 2
     log = messages(caplog)
