@@ -20,11 +20,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-soak: $(STAMP)
+soak: $(STAMP)  # Lightning kill/resume soak, then 200 kill -9 trials on local disk and S3 with a tally
 	$(BIN)/python -m pytest -q -m slow
 
 bench: $(STAMP)
 	$(BIN)/python bench/overhead.py
+	$(BIN)/python bench/storage.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
