@@ -8,6 +8,7 @@ and prints the tally per phase at the kill.
 from __future__ import annotations
 
 import itertools
+import os
 from pathlib import Path
 
 import pytest
@@ -76,10 +77,11 @@ def test_chosen_kill_s3(kill: tuple, tmp_path: Path, truth: str, s3_bucket: S3Ta
 @pytest.mark.slow
 def test_crash_soak(tmp_path: Path, truth: str, s3_bucket: S3Target, fault_proxy: FaultProxy,
                     s3_via_proxy: S3Target, capsys: pytest.CaptureFixture[str]) -> None:
-    """200 trials: random instants on both backends, and every chosen instant in turn."""
+    """200 trials (``DIFFCKPT_SOAK_TRIALS``): random instants on both backends, and every chosen
+    instant in turn."""
     chosen = itertools.cycle([(b, k) for b, kills in CHOSEN.items() for k in kills])
     outcomes: list[Outcome] = []
-    for i in range(200):
+    for i in range(int(os.environ.get("DIFFCKPT_SOAK_TRIALS", "200"))):
         if i % 5 == 4:
             backend, kill = next(chosen)
         else:
@@ -88,7 +90,8 @@ def test_crash_soak(tmp_path: Path, truth: str, s3_bucket: S3Target, fault_proxy
         run = tmp_path / f"t{i}"
         url_target = S3Target.create(s3_bucket.endpoint, s3_bucket.bucket, f"t{i}")
         via = S3Target.create(s3_via_proxy.endpoint, s3_bucket.bucket, f"t{i}")
-        trial = _trial(backend, kill, run, url_target, fault_proxy, via, forward=kill[1].endswith("COMMIT"))
+        forward = str(kill[1]).endswith("COMMIT")
+        trial = _trial(backend, kill, run, url_target, fault_proxy, via, forward)
         outcomes.append(run_trial(trial, truth))
     with capsys.disabled():
         print("\n" + tally(outcomes))
