@@ -19,14 +19,11 @@ Writes a Markdown report to ``bench/results/overhead.md`` (``overhead-quick.md``
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import logging
 import os
-import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,6 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
 
 from gpt import GPT, SIZES, make_loader
+from provenance import header
 
 from lightning_ckpt import DiffCheckpoint, DiffCheckpointIO
 
@@ -148,31 +146,9 @@ def run_once(config: str, args: argparse.Namespace, steps: int, warmup: int) -> 
 def machine_info(args: argparse.Namespace, steps: int, warmup: int) -> list[str]:
     cfg = SIZES[args.size]
     n_params = sum(p.numel() for p in GPT(args.size).parameters())
-    try:
-        commit = subprocess.run(
-            ["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=False,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            check=False,
-        ).stdout.strip()
-        commit += " (uncommitted changes)" if dirty else ""
-    except OSError:
-        commit = "?"
-    load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
-    now = datetime.datetime.now().isoformat(timespec="seconds")
     tmp = args.tmp or tempfile.gettempdir()
     return [
-        f"- date: {now}, commit {commit}",
-        f"- machine: {platform.machine()} {platform.processor()}, {os.cpu_count()} cores, "
-        + f"torch threads {torch.get_num_threads()}, load average before the run {load}",
-        f"- python {platform.python_version()}, torch {torch.__version__}, "
-        + f"lightning {L.__version__}",
+        *header(f"lightning {L.__version__}"),
         f"- model: GPT '{args.size}', {n_params / 1e6:.2f}M parameters (fp32), "
         + f"batch {cfg.batch_size} x {cfg.ctx} tokens, AdamW + OneCycleLR, gradient clipping",
         f"- {steps} optimizer steps per run, first {warmup} untimed; "

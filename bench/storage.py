@@ -42,12 +42,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import gc
 import itertools
 import logging
 import os
-import platform
 import shutil
 import socket
 import statistics
@@ -67,6 +65,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
 
 from gpt import GPT, SIZES, make_loader
+from provenance import header
 
 from diffckpt import CheckpointEngine, CheckpointOptions, FsspecStorage
 
@@ -300,31 +299,13 @@ def state_of(step: int, sched: Any) -> dict[str, Any]:
 def machine_info(args: argparse.Namespace, steps: int, warmup: int) -> list[str]:
     cfg = SIZES[args.size]
     n_params = sum(p.numel() for p in GPT(args.size).parameters())
-    try:
-        commit = subprocess.run(
-            ["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
-            capture_output=True, text=True, check=False,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True, text=True, check=False,
-        ).stdout.strip()
-        commit += " (uncommitted changes)" if dirty else ""
-    except OSError:
-        commit = "?"
     import fsspec
     import moto
     import s3fs
 
-    load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
-    now = datetime.datetime.now().isoformat(timespec="seconds")
     return [
-        f"- date: {now}, commit {commit}",
-        f"- machine: {platform.machine()} {platform.processor()}, {os.cpu_count()} cores, "
-        + f"torch threads {torch.get_num_threads()} (default), load average before the run {load}",
-        f"- python {platform.python_version()}, torch {torch.__version__}, "
-        + f"fsspec {fsspec.__version__}, s3fs {s3fs.__version__}, moto {moto.__version__} "
-        + "(loopback server, a separate process on the same cores)",
+        *header(f"fsspec {fsspec.__version__}, s3fs {s3fs.__version__}, moto {moto.__version__} "
+                "(loopback server, a separate process on the same cores)", " (default)"),
         f"- model: GPT '{args.size}', {n_params / 1e6:.2f}M parameters (fp32, "
         + f"{n_params * 4 / 1e6:.2f} MB of gradients per step), batch {cfg.batch_size} x {cfg.ctx} "
         + "tokens, AdamW + OneCycleLR, gradient clipping; plain PyTorch loop, core engine",
