@@ -126,7 +126,7 @@ class FsspecStorage:
             elif sum(len(p) for p in parts) >= self.multipart_threshold:
                 self._stream(full, parts)
             else:
-                self.fs.pipe_file(full, as_bytes(data))
+                self.fs.pipe_file(full, as_bytes(parts))
         except StorageError:
             raise
         except Exception as exc:  # fsspec backends raise many types
