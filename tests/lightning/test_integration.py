@@ -13,16 +13,15 @@ import sys
 import lightning as L
 import pytest
 import torch
+import train_script
+from helpers import ROOT, assert_bitwise_equal, run_script, subprocess_env
+from test_exactness import SCRIPT, reference  # noqa: F401  (fixture)
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import diffckpt
 from diffckpt.errors import IncompatibleCheckpointError, UnsupportedConfigurationError
 from diffckpt.store import RunStore
-from helpers import ROOT, assert_bitwise_equal, run_script, subprocess_env
 from lightning_ckpt import DiffCheckpoint, DiffCheckpointIO
-from test_exactness import SCRIPT, reference  # noqa: F401  (fixture)
-
-import train_script
 
 
 def test_model_checkpoint_saves_become_references_and_resume_exactly(tmp_path, reference):  # noqa: F811
