@@ -69,45 +69,38 @@ def test_references_at_epoch_ends_resume_exactly_in_either_callback_order(order,
         assert_bitwise_equal(reference("adamw"), torch.load(out, weights_only=False))
 
 
-def test_sigterm_flushes_pending_diffs_before_exit(tmp_path):
-    run = tmp_path / "run"
-    cmd = [sys.executable, os.path.join(ROOT, SCRIPT), "adamw", str(tmp_path / "x.pt"), "--dirpath", str(run),
-           "--write-batch", "64", "--base-every", "1000"]
+def _signal_at_step(tmp_path, sig: int, step: int = 7, extra: tuple[str, ...] = ()) -> tuple[int, str]:
+    """Train adamw with write_batch=64 (everything held in memory), send ``sig`` once it prints
+    ``STEP >= step``; return that step and the rest of its output."""
+    cmd = [sys.executable, os.path.join(ROOT, SCRIPT), "adamw", str(tmp_path / "x.pt"), "--dirpath",
+           str(tmp_path / "run"), "--write-batch", "64", "--base-every", "1000", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=subprocess_env())
     seen = 0
     assert proc.stdout is not None
     for line in proc.stdout:
         if line.startswith("STEP "):
             seen = int(line.split()[1])
-            if seen >= 7:
-                proc.send_signal(signal.SIGTERM)
+            if seen >= step:
+                proc.send_signal(sig)
                 break
-    proc.stdout.read()
+    log = proc.stdout.read()
     proc.wait(timeout=120)
+    return seen, log
+
+
+def test_sigterm_flushes_pending_diffs_before_exit(tmp_path):
+    seen, _ = _signal_at_step(tmp_path, signal.SIGTERM)
     # write_batch=64 would hold everything in memory; the flush on SIGTERM made it durable.
-    newest = diffckpt.load_state(str(run))["step"]
+    newest = diffckpt.load_state(str(tmp_path / "run"))["step"]
     assert newest >= seen, (newest, seen)
 
 
 def test_sigint_flushes_within_the_bound_and_says_how_far(tmp_path):
     # Ctrl-C: Lightning turns SIGINT into KeyboardInterrupt and calls on_exception.
-    run = tmp_path / "run"
-    cmd = [sys.executable, os.path.join(ROOT, SCRIPT), "adamw", str(tmp_path / "x.pt"), "--dirpath", str(run),
-           "--write-batch", "64", "--base-every", "1000", "--flush-timeout", "20"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=subprocess_env())
-    seen = 0
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.startswith("STEP "):
-            seen = int(line.split()[1])
-            if seen >= 7:
-                proc.send_signal(signal.SIGINT)
-                break
-    log = proc.stdout.read()
-    proc.wait(timeout=120)
+    seen, log = _signal_at_step(tmp_path, signal.SIGINT, extra=("--flush-timeout", "20"))
     match = re.search(r"interrupted by KeyboardInterrupt; durable up to step (\d+) in ", log)
     assert match, log[-3000:]
-    newest = diffckpt.load_state(str(run))["step"]
+    newest = diffckpt.load_state(str(tmp_path / "run"))["step"]
     # The interrupt is immediate (unlike SIGTERM, which lets the batch finish): the step printed
     # last may not have been recorded yet, e.g. while its record waits for validation to end.
     assert newest == int(match[1]) >= seen - 1, (newest, seen)
