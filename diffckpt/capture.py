@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from .compression import GradientCompressor
 from .errors import UnsupportedConfigurationError
 
 __all__ = ["StepCapture", "clone_tree", "fingerprint", "group_hyperparams", "tree_nbytes"]
@@ -79,12 +80,14 @@ def check_replayable(optimizer: torch.optim.Optimizer) -> None:
 
 
 class StepCapture:
-    """Records, per optimizer step, the hyperparameters in force and a copy of every gradient."""
+    """Records, per optimizer step, the hyperparameters in force and a copy of every gradient,
+    or, with a ``compressor``, the payloads the gradients were decoded from."""
 
-    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+    def __init__(self, optimizers: list[torch.optim.Optimizer], compressor: GradientCompressor | None = None) -> None:
         for opt in optimizers:
             check_replayable(opt)
         self.optimizers = list(optimizers)
+        self.compressor = compressor
         self._events: list[dict[str, Any]] = []
         self._paused = False
         self._depth = [0] * len(self.optimizers)
@@ -105,10 +108,14 @@ class StepCapture:
             self._depth[index] = max(0, self._depth[index] - 1)
             if self._paused or self._depth[index]:
                 return
-            grads = [[None if p.grad is None else p.grad.detach().clone() for p in g["params"]]
-                     for g in optimizer.param_groups]
-            self._events.append({"optimizer": index, "groups": group_hyperparams(optimizer),
-                                 "grads": grads})
+            event: dict[str, Any] = {"optimizer": index, "groups": group_hyperparams(optimizer)}
+            coded = self.compressor.consumed(optimizer) if self.compressor is not None else None
+            if coded is not None:  # the payloads are fresh tensors: no copy needed
+                event.update(coded)
+            else:
+                event["grads"] = [[None if p.grad is None else p.grad.detach().clone() for p in g["params"]]
+                                  for g in optimizer.param_groups]
+            self._events.append(event)
         return hook
 
     def take(self) -> list[dict[str, Any]]:

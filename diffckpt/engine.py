@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .capture import StepCapture, clone_tree, group_hyperparams, tree_nbytes
+from .compression import GradientCompressor
 from .errors import DiffCkptError
 from .options import CheckpointOptions
 from .policies import IntervalPolicy, StepContext
@@ -66,14 +67,15 @@ class CheckpointEngine:
         return self.writer is not None
 
     def start(self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer], step: int,
-              meta: dict[str, Any] | None = None) -> int:
+              meta: dict[str, Any] | None = None, compressor: GradientCompressor | None = None) -> int:
         """Open a writer session continuing from ``step``; return its generation number.
 
-        The caller writes the starting base right after (``write_base(step, ...)``).
+        The caller writes the starting base right after (``write_base(step, ...)``). With a
+        ``compressor`` (compressed training), steps are recorded as its payloads.
         """
         if self.writer is not None:
             raise DiffCkptError("CheckpointEngine.start() called twice; close() the running session first")
-        self.capture = StepCapture(optimizers)
+        self.capture = StepCapture(optimizers, compressor)
         params = dict(module.named_parameters())
         self._buffer_names = [k for k in module.state_dict() if k not in params]
         names = {id(p): n for n, p in params.items()}
@@ -82,7 +84,8 @@ class CheckpointEngine:
                                      for o in optimizers],
                 "resumed_from": step,
                 "optimizers": [f"{type(o).__module__}.{type(o).__qualname__}" for o in optimizers],
-                "parameters": [[k, list(p.shape)] for k, p in params.items()], **(meta or {})}
+                "parameters": [[k, list(p.shape)] for k, p in params.items()],
+                "codec": None if compressor is None else compressor.codec.config(), **(meta or {})}
         gen = self.store.start_session(body)
         self.module = module
         self.writer = BackgroundWriter(self.store, gen, self.options, after=step)
@@ -136,10 +139,16 @@ class CheckpointEngine:
         self._prev_step = step
 
     def write_base(self, step: int, model_state: dict[str, Any], optimizer_states: list[dict[str, Any]],
-                   state: Any) -> None:
-        """Queue a full snapshot at ``step`` (the step's record must already be recorded)."""
+                   state: Any, codec_states: list[dict[str, torch.Tensor]] | None = None) -> None:
+        """Queue a full snapshot at ``step`` (the step's record must already be recorded).
+
+        ``codec_states`` is every rank's codec state (:meth:`GradientCompressor.state_dict`), in
+        rank order, for a codec that keeps state.
+        """
         writer, _, module = self._require()
         tree = clone_tree({"model": model_state, "optimizers": optimizer_states, "state": state})
+        if codec_states and any(codec_states):
+            tree["codec"] = clone_tree(list(codec_states))
         names = [n for n, _ in module.named_parameters()]
         missing = [n for n in names if n not in tree["model"]]
         if missing:
@@ -197,8 +206,13 @@ class CheckpointEngine:
 
     # ------------------------------------------------------------------- restore
     def restore(self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
-                step: int | None = None, verify: bool = True) -> ReplayResult:
+                step: int | None = None, verify: bool = True, compressor: GradientCompressor | None = None,
+                rank: int = 0) -> ReplayResult:
         """Load ``step`` (``None``: newest durable) into ``module`` and ``optimizers`` by replay.
+
+        With a ``compressor``, its codec state is restored too: rank ``rank``'s state saved with
+        the base when ``step`` is a base step (exact end to end), else the state the replayed
+        payloads carry (error-feedback residuals restart from zero).
 
         For ``None``, damage (a missing or corrupt segment, an unusable base) makes it restore the
         newest step that can still be rebuilt, with a warning; for an explicit step it raises.
@@ -216,5 +230,9 @@ class CheckpointEngine:
         plan, info, base = self.store.open_plan(step)
         ctx = self.capture.paused() if self.capture else contextlib.nullcontext()
         with ctx:
-            return replay(self.store, plan, module, optimizers, verify=verify, loaded=(info, base))
+            result = replay(self.store, plan, module, optimizers, verify=verify, loaded=(info, base))
+        if compressor is not None:
+            states = result.codec_states if result.step == result.base_step else None
+            compressor.restore(states[rank] if states and rank < len(states) else None, result.codec_payloads)
+        return result
 

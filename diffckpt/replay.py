@@ -8,6 +8,7 @@ way; a mismatch raises instead of returning a wrong state.
 
 from __future__ import annotations
 
+import json
 import logging
 import warnings
 from dataclasses import dataclass, field
@@ -17,6 +18,8 @@ from typing import Any
 import torch
 
 from .capture import fingerprint
+from .codecs import Codec, codec_from_config
+from .compression import clip_gradients
 from .errors import (
     CheckpointNotFoundError,
     CorruptRecordError,
@@ -39,6 +42,8 @@ class ReplayResult:
     replayed: int
     base_step: int
     problems: list[str] = field(default_factory=list)
+    codec_states: list[dict[str, torch.Tensor]] | None = None  # per rank, saved with the base
+    codec_payloads: dict[str, Any] = field(default_factory=dict)  # last replayed payload per parameter
 
 
 @dataclass
@@ -142,7 +147,27 @@ def load_into(target: ReplayTarget, optimizers: list[torch.optim.Optimizer], bas
                 "Configure the same optimizer and param groups as in training") from None
 
 
-def _apply_event(event: dict[str, Any], optimizers: list[torch.optim.Optimizer], step: int) -> None:
+class _Decoder:
+    """Rebuilds the dense gradients of a step recorded as codec payloads, on the parameters'
+    device (where training decoded them), and remembers each parameter's last payload."""
+
+    def __init__(self, names: dict[int, str]) -> None:
+        self.names = names
+        self.codecs: dict[str, Codec] = {}
+        self.last: dict[str, Any] = {}
+
+    def grad(self, event: dict[str, Any], p: torch.Tensor, payload: dict[str, torch.Tensor]) -> torch.Tensor:
+        key = json.dumps(event["codec"], sort_keys=True)
+        codec = self.codecs.get(key)
+        if codec is None:
+            codec = self.codecs[key] = codec_from_config(event["codec"])
+        payload = {k: t.to(p.device) for k, t in payload.items()}
+        self.last[self.names.get(id(p), "")] = payload
+        return codec.decode(payload, p.shape, p.dtype)
+
+
+def _apply_event(event: dict[str, Any], optimizers: list[torch.optim.Optimizer], step: int,
+                 decoder: _Decoder) -> None:
     index = event["optimizer"]
     if index >= len(optimizers):
         raise IncompatibleCheckpointError(
@@ -152,18 +177,23 @@ def _apply_event(event: dict[str, Any], optimizers: list[torch.optim.Optimizer],
         raise IncompatibleCheckpointError(
             f"step {step}: optimizer {index} had {len(event['groups'])} param groups in training, "
             f"{len(opt.param_groups)} now; configure the same param groups")
-    for group, hyper, grads in zip(opt.param_groups, event["groups"], event["grads"]):
+    coded = "payloads" in event
+    for group, hyper, grads in zip(opt.param_groups, event["groups"], event["payloads" if coded else "grads"]):
         if len(grads) != len(group["params"]):
             raise IncompatibleCheckpointError(
                 f"step {step}: a param group of optimizer {index} had {len(grads)} parameters in "
                 f"training, {len(group['params'])} now; the model or optimizer differs")
         group.update(hyper)
         for p, g in zip(group["params"], grads):
+            if coded and g is not None:
+                g = decoder.grad(event, p, g)
             if g is not None and g.shape != p.shape:
                 raise IncompatibleCheckpointError(
                     f"step {step}: gradient of shape {tuple(g.shape)} for a parameter of shape "
                     f"{tuple(p.shape)}; the model differs from the one trained")
             p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype)
+    if coded:
+        clip_gradients([p for group in opt.param_groups for p in group["params"]], event.get("clip"))
     opt.step()
 
 
@@ -197,7 +227,9 @@ def replay(store: RunStore, plan: RestorePlan, target: ReplayTarget | torch.nn.M
             f"{where}: loaded parameters do not match the fingerprint of step {plan.base.step}; "
             "the model's parameters differ from the ones trained (definition, dtype or device)")
     buffers = target.buffers
-    result = ReplayResult(step=plan.base.step, state=base["state"], replayed=0, base_step=plan.base.step)
+    result = ReplayResult(step=plan.base.step, state=base["state"], replayed=0, base_step=plan.base.step,
+                          codec_states=base.get("codec"))
+    decoder = _Decoder({id(p): n for n, p in target.params.items()})
     last_applied = plan.base.step
     with torch.no_grad():
         for record, problem in store.read_records(plan):
@@ -207,7 +239,7 @@ def replay(store: RunStore, plan: RestorePlan, target: ReplayTarget | torch.nn.M
             step = record["step"]
             for event in record["events"]:
                 with torch.enable_grad():
-                    _apply_event(event, optimizers, step)
+                    _apply_event(event, optimizers, step, decoder)
             for opt, groups in zip(optimizers, record["param_groups"]):
                 for group, hyper in zip(opt.param_groups, groups):
                     group.update(hyper)
@@ -225,6 +257,7 @@ def replay(store: RunStore, plan: RestorePlan, target: ReplayTarget | torch.nn.M
             result.replayed += 1
             if record.get("state") is not None:
                 result.step, result.state = step, record["state"]
+                result.codec_payloads = dict(decoder.last)
     for p in params:
         p.grad = None
     if result.problems:

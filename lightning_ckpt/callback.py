@@ -21,12 +21,15 @@ from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
+from diffckpt.codecs import Codec
+from diffckpt.compression import GradientCompressor
 from diffckpt.engine import CheckpointEngine
 from diffckpt.errors import DiffCkptError, UnsupportedConfigurationError
 from diffckpt.options import CheckpointOptions
 from diffckpt.rng import get_rng_state, set_rng_state
 from diffckpt.store import RUN_FILE
 
+from .compression import is_ddp, make_compressor
 from .references import write_reference
 from .samplers import SamplerOrderTracker
 
@@ -44,6 +47,9 @@ class DiffCheckpoint(ModelCheckpoint):
         write_batch: consecutive step records per segment (one write each).
         base_every_n_steps: a full base every this many steps, plus one when training starts.
         storage_options: fsspec options (credentials, endpoint).
+        codec: compressed training (``diffckpt.codecs.TopK``, ``PowerSGD``, ``LowPrecision``):
+            the codec runs as the DDP communication hook, or on the gradients before the step in
+            a single process, and its payloads are the diffs. ``None``: exact dense diffs.
         **options: further :class:`diffckpt.CheckpointOptions` fields
             (``fingerprint_every_n_steps``, ``max_pending_bytes``, ``compression``...).
 
@@ -52,13 +58,16 @@ class DiffCheckpoint(ModelCheckpoint):
 
     def __init__(self, dirpath: str | os.PathLike[str], *, every_n_steps: int = 1, write_batch: int = 8,
                  base_every_n_steps: int | None = 500, storage_options: dict[str, Any] | None = None,
-                 **options: Any) -> None:
+                 codec: Codec | None = None, **options: Any) -> None:
         super().__init__(dirpath=None, save_top_k=0, save_last=False)
         self.options = CheckpointOptions(every_n_steps=every_n_steps, write_batch=write_batch,
                                          base_every_n_steps=base_every_n_steps, **options)
         self.url = os.fspath(dirpath)
         self.storage_options = dict(storage_options or {})
         self.engine = CheckpointEngine(self.url, self.options, self.storage_options)
+        self.codec = codec
+        self.compressor: GradientCompressor | None = None
+        self._codec_states: list[dict[str, Any]] | None = None
         self.dirpath = self.url
         self.durable_step: int | None = None
         self._trainer: pl.Trainer | None = None
@@ -121,6 +130,9 @@ class DiffCheckpoint(ModelCheckpoint):
             strategy.checkpoint_io.attach(self)
         if stage == "fit" and trainer.world_size > 1:
             self._order.install()
+        if stage == "fit" and self.codec is not None and self.compressor is None:
+            self.compressor = make_compressor(self.codec, trainer, pl_module,
+                                              self.options.fingerprint_every_n_steps or 50)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         step = trainer.global_step
@@ -128,6 +140,10 @@ class DiffCheckpoint(ModelCheckpoint):
         restored = self._restored is not None and self._restored[0] == step
         if not restored and trainer.world_size > 1:
             self._rank_states = self._gather_rank_states(trainer)
+        if self.compressor is not None:
+            if is_ddp(trainer):
+                self.compressor.register_ddp(trainer.strategy.model)
+            self._codec_states = self._gather_codec_states(trainer)
         if not self.is_writer:
             self.engine.follow(step, base=True)
             self._restored = None
@@ -135,14 +151,20 @@ class DiffCheckpoint(ModelCheckpoint):
         optimizers = list(trainer.optimizers)
         self.engine.start(pl_module, optimizers, step, meta={
             "framework": f"lightning {pl.__version__}", "torch": torch.__version__,
-            "strategy": type(trainer.strategy).__name__, "world_size": trainer.world_size})
+            "strategy": type(trainer.strategy).__name__, "world_size": trainer.world_size},
+            compressor=self.compressor)
         state = self._restored[1] if restored else self._small_state(trainer)
         self._rank_states = None
-        self.engine.write_base(step, pl_module.state_dict(), [o.state_dict() for o in optimizers], state)
+        self._write_base(step, state)
         self._restored = None
         self._last_state_step = step
 
     # ------------------------------------------------------------------ capture
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                                 optimizer: torch.optim.Optimizer) -> None:
+        if self.compressor is not None and not is_ddp(trainer):
+            self.compressor.compress_(p for group in optimizer.param_groups for p in group["params"])
+
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._apply_pending_rng("epoch_start")
 
@@ -209,6 +231,8 @@ class DiffCheckpoint(ModelCheckpoint):
         wants_state, wants_base = engine.wants_state(step), engine.wants_base(step)
         if wants_state and trainer.world_size > 1:
             self._rank_states = self._gather_rank_states(trainer)
+        if wants_base and self.compressor is not None:
+            self._codec_states = self._gather_codec_states(trainer)
         if not self.is_writer:
             engine.follow(step, wants_base)
             return step, None, wants_base
@@ -229,9 +253,7 @@ class DiffCheckpoint(ModelCheckpoint):
         if state is not None:
             self._last_state_step = step
         if wants_base:
-            module = trainer.lightning_module
-            self.engine.write_base(step, module.state_dict(), [o.state_dict() for o in trainer.optimizers],
-                                   state)
+            self._write_base(step, state)
         pending, self._pending_refs = self._pending_refs, []
         for path, ref_step in pending:
             if ref_step == step and state is None:
@@ -240,6 +262,18 @@ class DiffCheckpoint(ModelCheckpoint):
                     f"with every_n_steps={self.options.every_n_steps}; save checkpoints only at "
                     "multiples of every_n_steps (e.g. ModelCheckpoint(every_n_train_steps=...))")
             self._write_reference(path, ref_step)
+
+    def _write_base(self, step: int, state: Any) -> None:
+        trainer = self._require_trainer()
+        codec_states, self._codec_states = self._codec_states, None
+        self.engine.write_base(step, trainer.lightning_module.state_dict(),
+                               [o.state_dict() for o in trainer.optimizers], state, codec_states)
+
+    def _gather_codec_states(self, trainer: pl.Trainer) -> list[dict[str, Any]] | None:
+        """Every rank's codec state (error-feedback residuals differ per rank), on rank 0."""
+        assert self.compressor is not None
+        mine = self.compressor.state_dict()
+        return self._gather(trainer, mine) if trainer.world_size > 1 else [mine]
 
     @staticmethod
     def _gather(trainer: pl.Trainer, mine: Any) -> list[Any] | None:
@@ -335,7 +369,7 @@ class DiffCheckpoint(ModelCheckpoint):
         trainer.precision_plugin.convert_module(module)
         module.to(trainer.strategy.root_device)
         optimizers = _init_optimizers_and_lr_schedulers(module)[0]
-        result = engine.restore(module, optimizers, step)
+        result = engine.restore(module, optimizers, step, compressor=self.compressor, rank=trainer.global_rank)
         ckpt = dict(result.state)
         self._use_rank_state(ckpt, trainer)
         ckpt["state_dict"] = module.state_dict()

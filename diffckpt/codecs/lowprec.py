@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from .base import Payload
+from .base import Payload, all_reduce_sum, world_size
 
 __all__ = ["LowPrecision"]
 
@@ -14,15 +14,17 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class LowPrecision:
-    """Half-precision gradients. Lossy for training, lossless as a diff: the optimizer consumes
-    exactly the widened half-precision values, which the payload holds.
+    """Half-precision all-reduce, as PyTorch's ``bf16_compress_hook``: each rank casts its
+    gradient to half precision and divides it by the world size, the halves are summed, and the
+    optimizer consumes the widened sum. Lossy for training, lossless as a diff: the payload is
+    exactly that half-precision sum.
 
     Args:
         dtype: ``"bf16"`` or ``"fp16"`` (fp16 overflows above 65504; prefer bf16).
     """
 
     lossy = True
-    has_state = False
+    error_feedback = False
 
     def __init__(self, dtype: str = "bf16") -> None:
         if dtype not in _DTYPES:
@@ -33,14 +35,23 @@ class LowPrecision:
     def config(self) -> dict[str, Any]:
         return {"codec": "lowprec", "dtype": self.dtype}
 
-    def compress(self, key: str, grad: torch.Tensor) -> Payload:
-        return {"values": grad.detach().to(_DTYPES[self.dtype])}
+    def encode(self, grads: dict[str, torch.Tensor], group: Any = None) -> dict[str, Payload]:
+        world = world_size(group)
+        halves = []
+        for g in grads.values():
+            half = g.detach().to(_DTYPES[self.dtype], copy=True)  # never alias the gradient
+            halves.append(half.div_(world) if world > 1 else half)
+        summed = all_reduce_sum(halves, group)
+        return {key: {"values": v} for key, v in zip(grads, summed)}
 
-    def decompress(self, payload: Payload, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        return payload["values"].reshape(shape).to(dtype)
+    def decode(self, payload: Payload, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        return payload["values"].reshape(shape).to(dtype, copy=True)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        pass
+
+    def resume(self, payloads: dict[str, Payload]) -> None:
         pass

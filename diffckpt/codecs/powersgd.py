@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .base import Payload
+from .base import Payload, all_reduce_sum, world_size
 
 __all__ = ["PowerSGD"]
 
@@ -15,14 +15,17 @@ __all__ = ["PowerSGD"]
 class PowerSGD:
     """Low-rank gradients: ``P @ Q.T`` with ``P`` (rows × rank) and ``Q`` (cols × rank).
 
-    Each gradient is viewed as a matrix (first dimension × the rest). One power-iteration step per
-    training step: ``P = M Q``, orthonormalise ``P``, ``Q = Mᵀ P``, starting from the previous
-    step's ``Q`` (warm start). With error feedback, ``M`` is the gradient plus what the previous
-    approximation missed. Vectors (biases, norms) and matrices too small to gain are sent whole.
+    Each gradient is viewed as a matrix (first dimension × the rest) and computed on in float32.
+    One power-iteration step per training step, as in PyTorch's ``powerSGD_hook``: ``P = M Q``,
+    summed over ranks and orthonormalised, then ``Q = Mᵀ P`` averaged over ranks, starting from
+    the previous step's ``Q`` (warm start). With error feedback, ``M`` is the gradient plus what
+    the previous approximation missed on this rank. Vectors (biases, norms) and matrices too
+    small to gain are averaged whole.
 
-    State (residuals and warm-start factors) is per tensor and must be saved for an exact resume;
-    the first ``Q`` of a tensor is drawn from a generator seeded by the tensor's key, never from
-    the global RNG.
+    The payload is the reduced ``P`` and ``Q``, identical on every rank. The warm-start ``Q`` is
+    the last payload's, so replay rebuilds it; residuals are per rank and saved with bases. The
+    first ``Q`` of a tensor is drawn from a generator seeded by the tensor's key, never from the
+    global RNG.
 
     Args:
         rank: rank of the approximation.
@@ -38,7 +41,6 @@ class PowerSGD:
         self.rank = rank
         self.error_feedback = bool(error_feedback)
         self.warm_start = bool(warm_start)
-        self.has_state = self.error_feedback or self.warm_start
         self.name = f"powersgd(rank={rank})"
         self._residual: dict[str, torch.Tensor] = {}
         self._q: dict[str, torch.Tensor] = {}
@@ -53,29 +55,43 @@ class PowerSGD:
         rows, cols = shape[0], int(torch.Size(shape[1:]).numel())
         return self.rank * (rows + cols) < rows * cols
 
-    def compress(self, key: str, grad: torch.Tensor) -> Payload:
-        if not self._compressible(grad.shape):
-            return {"dense": grad.detach().clone()}
-        m = grad.detach().reshape(grad.shape[0], -1)
-        if self.error_feedback and key in self._residual:
-            m = m + self._residual[key]
+    def _start_q(self, key: str, m: torch.Tensor) -> torch.Tensor:
         q = self._q.get(key) if self.warm_start else None
-        if q is None:
+        if q is None or q.shape != (m.shape[1], self.rank):
             gen = torch.Generator(device="cpu").manual_seed(zlib.crc32(key.encode()))
-            q = torch.randn(m.shape[1], self.rank, generator=gen, dtype=m.dtype).to(m.device)
-        p = torch.linalg.qr(m @ q).Q
-        q = m.T @ p
-        payload = {"p": p, "q": q}
-        if self.warm_start:
-            self._q[key] = q.clone()
-        if self.error_feedback:
-            self._residual[key] = m - self.decompress(payload, m.shape, m.dtype)
-        return payload
+            q = torch.randn(m.shape[1], self.rank, generator=gen, dtype=torch.float32).to(m.device)
+        return q
 
-    def decompress(self, payload: Payload, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    def encode(self, grads: dict[str, torch.Tensor], group: Any = None) -> dict[str, Payload]:
+        world = world_size(group)
+        dense = [k for k, g in grads.items() if not self._compressible(g.shape)]
+        low = [k for k, g in grads.items() if self._compressible(g.shape)]
+        out: dict[str, Payload] = {}
+        sums = all_reduce_sum([grads[k].detach().clone() for k in dense], group)
+        for key, total in zip(dense, sums):
+            out[key] = {"dense": total.div_(world) if world > 1 else total}
+        ms = {}
+        for key in low:
+            m = grads[key].detach().reshape(grads[key].shape[0], -1).float()
+            if self.error_feedback and key in self._residual:
+                m = m + self._residual[key]
+            ms[key] = m
+        ps = all_reduce_sum([ms[k] @ self._start_q(k, ms[k]) for k in low], group)
+        ps = [torch.linalg.qr(p).Q.contiguous() for p in ps]  # QR returns column-major Q
+        qs = all_reduce_sum([ms[k].T @ p for k, p in zip(low, ps)], group)
+        for key, p, q in zip(low, ps, qs):
+            out[key] = payload = {"p": p, "q": q.div_(world) if world > 1 else q}
+            if self.warm_start:
+                self._q[key] = payload["q"].clone()
+            if self.error_feedback:
+                self._residual[key] = ms[key] - self.decode(payload, ms[key].shape, torch.float32)
+        return out
+
+    def decode(self, payload: Payload, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         if "dense" in payload:
-            return payload["dense"].reshape(shape).to(dtype)
-        return (payload["p"] @ payload["q"].T).reshape(shape).to(dtype)
+            return payload["dense"].reshape(shape).to(dtype, copy=True)
+        # Layouts change matmul's rounding: decode from row-major factors, as read from storage.
+        return (payload["p"].contiguous() @ payload["q"].contiguous().T).reshape(shape).to(dtype)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         out = {f"{key}/residual": r.clone() for key, r in self._residual.items()}
@@ -85,3 +101,7 @@ class PowerSGD:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self._residual = {k.rsplit("/", 1)[0]: t.clone() for k, t in state.items() if k.endswith("/residual")}
         self._q = {k.rsplit("/", 1)[0]: t.clone() for k, t in state.items() if k.endswith("/q")}
+
+    def resume(self, payloads: dict[str, Payload]) -> None:
+        if self.warm_start:
+            self._q.update({key: p["q"].clone() for key, p in payloads.items() if "q" in p})

@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import assert_bitwise_equal
 
-from diffckpt.codecs import Codec, LowPrecision, PowerSGD, TopK
+from diffckpt.codecs import Codec, LowPrecision, PowerSGD, TopK, codec_from_config
 from diffckpt.tree import pack_tree, unpack_tree
 
 CODECS = {
@@ -36,18 +36,20 @@ def test_payload_is_a_lossless_diff(name: str) -> None:
     assert isinstance(codec, Codec)
     json.dumps(codec.config())
     for step in range(3):
+        payloads = codec.encode(grads(step))
         for key, g in grads(step).items():
-            payload = codec.compress(key, g)
-            dense = codec.decompress(payload, g.shape, g.dtype)
+            dense = codec.decode(payloads[key], g.shape, g.dtype)
             assert dense.shape == g.shape and dense.dtype == g.dtype
-            stored = unpack_tree(pack_tree(payload))  # what a diff record holds
-            assert_bitwise_equal(dense, codec.decompress(stored, g.shape, g.dtype))
+            stored = unpack_tree(pack_tree(payloads[key]))  # what a diff record holds
+            assert_bitwise_equal(dense, codec.decode(stored, g.shape, g.dtype))
+            for t in payloads[key].values():  # decoding never hands out the payload's memory
+                assert dense.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
 
 
 def test_topk_keeps_the_largest_entries_in_a_small_payload() -> None:
     g = torch.randn(1000, 100, generator=torch.Generator().manual_seed(0))
-    payload = TopK(0.01).compress("w", g)
-    dense = TopK(0.01).decompress(payload, g.shape, g.dtype)
+    payload = TopK(0.01).encode({"w": g})["w"]
+    dense = TopK(0.01).decode(payload, g.shape, g.dtype)
     kept = dense != 0
     assert int(kept.sum()) == math.ceil(0.01 * g.numel()) == 1000
     assert g[kept].abs().min() >= g[~kept].abs().max()  # the largest magnitudes
@@ -59,28 +61,27 @@ def test_topk_keeps_the_largest_entries_in_a_small_payload() -> None:
 def test_topk_error_feedback_carries_what_was_dropped() -> None:
     codec = TopK(0.1, error_feedback=True)
     g1, g2 = torch.randn(100, generator=torch.Generator().manual_seed(1)), torch.randn(100)
-    d1 = codec.decompress(codec.compress("b", g1), g1.shape, g1.dtype)
+    d1 = codec.decode(codec.encode({"b": g1})["b"], g1.shape, g1.dtype)
     assert torch.equal(codec.state_dict()["b/residual"], g1 - d1)
-    d2 = codec.decompress(codec.compress("b", g2), g2.shape, g2.dtype)
+    d2 = codec.decode(codec.encode({"b": g2})["b"], g2.shape, g2.dtype)
     assert torch.equal(d2[d2 != 0], (g2 + (g1 - d1))[d2 != 0])
 
 
 def test_powersgd_is_low_rank_and_sends_vectors_whole() -> None:
     codec = PowerSGD(rank=2)
     g = grads(0)
-    payload = codec.compress("w", g["w"])
+    payloads = codec.encode(g)
+    payload = payloads["w"]
     assert payload["p"].shape == (64, 2) and payload["q"].shape == (48, 2)
-    assert torch.linalg.matrix_rank(codec.decompress(payload, g["w"].shape, torch.float32)) == 2
-    bias = codec.compress("b", g["b"])
-    assert torch.equal(codec.decompress(bias, g["b"].shape, torch.float32), g["b"])
+    assert torch.linalg.matrix_rank(codec.decode(payload, g["w"].shape, torch.float32)) == 2
+    assert torch.equal(codec.decode(payloads["b"], g["b"].shape, torch.float32), g["b"])
 
 
 @pytest.mark.parametrize("name", CODECS)
 def test_codecs_leave_the_global_rng_alone(name: str) -> None:
     before = torch.random.get_rng_state()
     codec = CODECS[name]()
-    for key, g in grads(0).items():
-        codec.compress(key, g)
+    codec.encode(grads(0))
     assert torch.equal(torch.random.get_rng_state(), before)
 
 
@@ -88,13 +89,30 @@ def test_codecs_leave_the_global_rng_alone(name: str) -> None:
 def test_state_round_trip_continues_identically(name: str) -> None:
     a = CODECS[name]()
     for step in range(3):
-        for key, g in grads(step).items():
-            a.compress(key, g)
+        a.encode(grads(step))
     b = CODECS[name]()
     b.load_state_dict(unpack_tree(pack_tree(a.state_dict())))
-    assert a.has_state and b.has_state
-    for key, g in grads(3).items():
-        assert_bitwise_equal(a.compress(key, g), b.compress(key, g))
+    assert a.error_feedback and a.state_dict()
+    assert_bitwise_equal(a.encode(grads(3)), b.encode(grads(3)))
+
+
+def test_powersgd_warm_start_is_rebuilt_from_the_last_payloads() -> None:
+    a = PowerSGD(rank=2, error_feedback=False)
+    for step in range(3):
+        last = a.encode(grads(step))
+    b = PowerSGD(rank=2, error_feedback=False)
+    b.resume(unpack_tree(pack_tree(last)))
+    assert_bitwise_equal(a.state_dict(), b.state_dict())
+    assert_bitwise_equal(a.encode(grads(3)), b.encode(grads(3)))
+
+
+@pytest.mark.parametrize("name", CODECS)
+def test_codec_is_rebuilt_from_its_recorded_config(name: str) -> None:
+    codec = CODECS[name]()
+    again = codec_from_config(json.loads(json.dumps(codec.config())))
+    assert type(again) is type(codec) and again.config() == codec.config() and again.name == codec.name
+    with pytest.raises(ValueError, match="unknown gradient codec 'zfp'.*upgrade diffckpt"):
+        codec_from_config({"codec": "zfp"})
 
 
 @pytest.mark.parametrize("name", CODECS)
@@ -111,17 +129,16 @@ def test_training_on_decompressed_gradients_replays_exactly_from_payloads(name: 
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
         opt.zero_grad()
         m(x).pow(2).mean().backward()
-        payloads = {}
+        payloads = codec.encode({key: p.grad for key, p in m.named_parameters()})
         for key, p in m.named_parameters():
-            payloads[key] = codec.compress(key, p.grad)
-            p.grad = codec.decompress(payloads[key], p.shape, p.dtype)  # compressed training
+            p.grad = codec.decode(payloads[key], p.shape, p.dtype)  # compressed training
         opt.step()
         records.append(pack_tree(payloads))
     replayed, ropt = model()
     for blob in records:
         payloads = unpack_tree(blob)
         for key, p in replayed.named_parameters():
-            p.grad = codec.decompress(payloads[key], p.shape, p.dtype)
+            p.grad = codec.decode(payloads[key], p.shape, p.dtype)
         ropt.step()
     assert_bitwise_equal(m.state_dict(), replayed.state_dict())
     assert_bitwise_equal(opt.state_dict(), ropt.state_dict())

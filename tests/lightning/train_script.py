@@ -1,7 +1,8 @@
 """A small but complete Lightning training run, configurable for the exactness tests.
 
 Run as a subprocess: ``python train_script.py CONFIG OUT [--dirpath D] [--resume] [--no-lib]``
-(``--storage-options``, ``--flush-timeout`` and ``--retry-budget`` configure the storage side).
+(``--storage-options``, ``--flush-timeout`` and ``--retry-budget`` configure the storage side;
+``--codec`` trains with compressed gradients, with or without the library).
 It prints ``STEP n`` after every optimizer step (the parent kills it with SIGKILL on a chosen
 step) and, when training ends, saves every tensor of the final model, optimizer, scheduler and
 RNG state to ``OUT`` for a bitwise comparison.
@@ -52,11 +53,11 @@ def make_data(n: int = 96, seed: int = 1234) -> torch.Tensor:
 
 
 class LM(L.LightningModule):
-    def __init__(self, cfg: str, total_steps: int):
+    def __init__(self, cfg: str, total_steps: int, dim: int = 32):
         super().__init__()
         self.cfg = cfg
         self.total_steps = total_steps
-        self.net = TinyGPT(batchnorm=cfg == "sgd_bn")
+        self.net = TinyGPT(dim, batchnorm=cfg == "sgd_bn")
         self.save_hyperparameters()
         if cfg == "manual2":
             self.automatic_optimization = False
@@ -102,14 +103,61 @@ class LM(L.LightningModule):
 
 
 class StepPrinter(L.Callback):
-    def __init__(self, sleep: float = 0.0):
+    def __init__(self, sleep: float = 0.0, dump: str | None = None):
         self.sleep = sleep
+        self.dump = dump
+
+    def _dump(self, trainer):
+        if self.dump and trainer.is_global_zero:  # model and optimizer as they are at this step
+            torch.save({"model": trainer.lightning_module.state_dict(),
+                        "optimizers": [o.state_dict() for o in trainer.optimizers]},
+                       f"{self.dump}/step{trainer.global_step}.pt")
+
+    def on_train_start(self, trainer, *args):
+        self._dump(trainer)
 
     def on_train_batch_end(self, trainer, *args):
+        self._dump(trainer)
         if trainer.is_global_zero:
             print(f"STEP {trainer.global_step}", flush=True)
         if self.sleep:  # slower training, so a test can act between steps (outages, signals)
             time.sleep(self.sleep)
+
+
+def make_codec(spec: str):
+    """``topk:0.05``, ``topk-ef:0.05``, ``powersgd:2``, ``powersgd-warm:2`` or ``bf16``."""
+    from diffckpt.codecs import LowPrecision, PowerSGD, TopK
+
+    name, _, arg = spec.partition(":")
+    return {"topk": lambda: TopK(float(arg)), "topk-ef": lambda: TopK(float(arg), error_feedback=True),
+            "powersgd": lambda: PowerSGD(int(arg)),
+            "powersgd-warm": lambda: PowerSGD(int(arg), error_feedback=False),
+            "bf16": lambda: LowPrecision("bf16")}[name]()
+
+
+class CompressedTraining(L.Callback):
+    """The same compressed training as DiffCheckpoint(codec=...), without any checkpointing."""
+
+    def __init__(self, codec):
+        self.codec = codec
+        self.compressor = None
+
+    def setup(self, trainer, pl_module, stage):
+        from lightning_ckpt.compression import make_compressor
+
+        self.compressor = make_compressor(self.codec, trainer, pl_module, 50)
+
+    def on_train_start(self, trainer, pl_module):
+        from lightning_ckpt.compression import is_ddp
+
+        if is_ddp(trainer):
+            self.compressor.register_ddp(trainer.strategy.model)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        from lightning_ckpt.compression import is_ddp
+
+        if not is_ddp(trainer):
+            self.compressor.compress_(p for g in optimizer.param_groups for p in g["params"])
 
 
 CONFIGS = {
@@ -160,15 +208,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--retry-budget", type=float,
                     help="DiffCheckpoint(retry=RetryPolicy(budget_s=..., short backoffs))")
     ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep after every batch")
+    ap.add_argument("--codec", help="compressed training, see make_codec (with --no-lib: no checkpoints)")
+    ap.add_argument("--dim", type=int, default=32, help="model width")
+    ap.add_argument("--dump-steps", help="save model and optimizer state at every step into this directory")
     args = ap.parse_args(argv)
 
     kwargs, steps = CONFIGS[args.config]
     torch.set_num_threads(1)  # same kernels and reduction order in every process
     L.seed_everything(7, verbose=False)
     torch.use_deterministic_algorithms(True)
-    model = LM(args.config, steps)
+    model = LM(args.config, steps, args.dim)
     loader = StatefulDataLoader(make_data(), batch_size=args.batch_size, shuffle=True)
-    callbacks: list = [StepPrinter(args.step_sleep)]
+    callbacks: list = [StepPrinter(args.step_sleep, args.dump_steps)]
+    if args.codec and args.no_lib:
+        callbacks.append(CompressedTraining(make_codec(args.codec)))
     plugins: list = []
     if args.config == "scaler_skip":
         from lightning.pytorch.plugins import MixedPrecision
@@ -185,7 +238,8 @@ def main(argv: list[str] | None = None) -> None:
 
             extra["retry"] = RetryPolicy(budget_s=args.retry_budget, initial_backoff_s=0.05, max_backoff_s=0.2)
         diff = DiffCheckpoint(args.dirpath, write_batch=args.write_batch, base_every_n_steps=args.base_every,
-                              fingerprint_every_n_steps=5, storage_options=args.storage_options, **extra)
+                              fingerprint_every_n_steps=5, storage_options=args.storage_options,
+                              codec=make_codec(args.codec) if args.codec else None, **extra)
         plugins.append(DiffCheckpointIO())
         callbacks.append(diff)
         if args.model_checkpoint:
