@@ -1,10 +1,13 @@
 """diffckpt: differential checkpointing for PyTorch training.
 
 Record what each optimizer step consumed as a small diff, keep periodic full bases, and rebuild
-any step by replaying the optimizer. This package is the framework-free core; see
+any step by replaying the optimizer; with compressed training (``diffckpt.codecs`` and
+:class:`GradientCompressor`), the compressed payloads are the diffs. This package is the
+framework-free core; see
 ``lightning_ckpt`` and ``accelerate_ckpt`` for the integrations.
 """
 
+from .compression import GradientCompressor
 from .engine import CheckpointEngine
 from .errors import (
     CheckpointNotFoundError,
@@ -33,6 +36,7 @@ __all__ = [
     "CorruptRecordError",
     "DiffCkptError",
     "FsspecStorage",
+    "GradientCompressor",
     "IncompatibleCheckpointError",
     "ReplayMismatchError",
     "ReplayResult",

@@ -24,6 +24,7 @@ import numpy as np
 import safetensors.torch
 import torch
 
+from .codecs import codec_from_config
 from .errors import CheckpointNotFoundError, DiffCkptError, UnsupportedConfigurationError
 from .format import SegmentName, decode_segment
 from .loading import load_state
@@ -132,6 +133,13 @@ def _flat(options: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
     return out
 
 
+def _codec_name(config: dict[str, Any]) -> str:
+    try:
+        return codec_from_config(config).name
+    except (ValueError, TypeError, KeyError):
+        return str(config.get("codec"))
+
+
 def _every(options: dict[str, Any]) -> str:
     # With every_n_steps > 1, only every n-th step of a durable range is restorable.
     n = options.get("every_n_steps", 1)
@@ -151,7 +159,7 @@ def _describe(store: RunStore, inv: Inventory) -> dict[str, Any]:
         sessions.append({
             "gen": gen, "started": meta.get("started"), "resumed_from": meta.get("resumed_from"),
             "options": meta.get("options", {}), "optimizers": meta.get("optimizers", []),
-            "framework": meta.get("framework"), "durable": _durable(inv, gen),
+            "framework": meta.get("framework"), "codec": meta.get("codec"), "durable": _durable(inv, gen),
             "newest_step": newest, "ckpt_path": None if newest is None else f"{url}/step={newest}",
             "damaged": bool(meta.get("damaged"))})
     bases: list[dict[str, Any]] = [
@@ -190,6 +198,7 @@ def _render_ls(d: dict[str, Any]) -> str:
          str(s["newest_step"] if s["newest_step"] is not None else "-"), s["ckpt_path"] or "-"]
         for s in d["sessions"]])
     lines += [f"  g{s['gen']} settings: " + " ".join(f"{k}={v}" for k, v in _flat(s["options"]))
+              + (f" codec={_codec_name(s['codec'])}" if s["codec"] else "")
               for s in d["sessions"] if s["options"]]
     lines += ["", "bases"] + _table(["step", "gen", "size", "path"], [
         [str(b["step"]), f"g{b['gen']}", _human(b["bytes"]), b["path"]] for b in d["bases"]])

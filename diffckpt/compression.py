@@ -24,7 +24,7 @@ import torch
 
 from .codecs import Codec, Payload
 
-__all__ = ["GradientCompressor", "clip_gradients"]
+__all__ = ["GradientCompressor", "check_codec", "clip_gradients"]
 
 log = logging.getLogger("diffckpt")
 
@@ -39,6 +39,13 @@ def clip_gradients(params: list[torch.Tensor], clip: dict[str, Any] | None) -> N
         torch.nn.utils.clip_grad_value_(params, clip_value=clip["clip_value"])
     else:
         raise ValueError(f"unknown gradient clipping {clip['kind']!r} in a record")
+
+
+def check_codec(codec: Any) -> None:
+    """Raise ``TypeError`` unless ``codec`` is a diffckpt codec."""
+    if not isinstance(codec, Codec):
+        raise TypeError(f"codec must be a diffckpt codec (diffckpt.codecs.TopK, PowerSGD or "
+                        f"LowPrecision), got {codec!r}")
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -61,8 +68,7 @@ class GradientCompressor:
     """
 
     def __init__(self, codec: Codec, module: torch.nn.Module, check_every: int = 50) -> None:
-        if not isinstance(codec, Codec):
-            raise TypeError(f"codec must be a diffckpt codec (TopK, PowerSGD, LowPrecision), got {codec!r}")
+        check_codec(codec)
         self.codec = codec
         self.names = {id(p): n for n, p in module.named_parameters()}
         self.group: Any = None

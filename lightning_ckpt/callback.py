@@ -22,7 +22,7 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 from diffckpt.codecs import Codec
-from diffckpt.compression import GradientCompressor
+from diffckpt.compression import GradientCompressor, check_codec
 from diffckpt.engine import CheckpointEngine
 from diffckpt.errors import DiffCkptError, UnsupportedConfigurationError
 from diffckpt.options import CheckpointOptions
@@ -65,6 +65,8 @@ class DiffCheckpoint(ModelCheckpoint):
         self.url = os.fspath(dirpath)
         self.storage_options = dict(storage_options or {})
         self.engine = CheckpointEngine(self.url, self.options, self.storage_options)
+        if codec is not None:
+            check_codec(codec)
         self.codec = codec
         self.compressor: GradientCompressor | None = None
         self._codec_states: list[dict[str, Any]] | None = None

@@ -7,11 +7,19 @@ import lightning_ckpt
 def test_core_public_api():
     assert sorted(diffckpt.__all__) == [
         "CheckpointEngine", "CheckpointNotFoundError", "CheckpointOptions", "ConcurrentWriterError",
-        "CorruptRecordError", "DiffCkptError", "FsspecStorage", "IncompatibleCheckpointError",
+        "CorruptRecordError", "DiffCkptError", "FsspecStorage", "GradientCompressor",
+        "IncompatibleCheckpointError",
         "ReplayMismatchError", "ReplayResult", "RetryPolicy", "Storage", "StorageError",
         "StorageUnavailableError", "UnsupportedConfigurationError", "load_state", "open_storage",
     ]
     assert all(hasattr(diffckpt, name) for name in diffckpt.__all__)
+
+
+def test_codecs_public_api():
+    import diffckpt.codecs
+
+    assert sorted(diffckpt.codecs.__all__) == [
+        "Codec", "LowPrecision", "Payload", "PowerSGD", "TopK", "codec_from_config"]
 
 
 def test_lightning_public_api():

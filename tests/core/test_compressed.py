@@ -12,7 +12,7 @@ import torch
 from engine_runs import assert_state, snapshot
 from helpers import assert_bitwise_equal
 
-from diffckpt import CheckpointEngine, CheckpointOptions
+from diffckpt import CheckpointEngine, CheckpointOptions, load_state
 from diffckpt.codecs import LowPrecision, PowerSGD, TopK, codec_from_config
 from diffckpt.compression import GradientCompressor
 
@@ -141,3 +141,15 @@ def test_undeclared_gradient_change_is_recorded_dense(tmp_path, caplog) -> None:
         module, optimizers = make()
         result = CheckpointEngine(tmp_path).restore(module, optimizers, step)
         assert_state(run.truth, result, module, optimizers)
+
+
+def test_load_state_rebuilds_a_compressed_run_without_knowing_the_codec(tmp_path) -> None:
+    run = Run(tmp_path, "powersgd")
+    run.train(8)
+    state = load_state(str(tmp_path), 8)
+    assert_bitwise_equal(state["model"], run.truth[8]["model"])
+
+
+def test_a_codec_must_be_a_codec() -> None:
+    with pytest.raises(TypeError, match="diffckpt.codecs.TopK, PowerSGD or LowPrecision"):
+        GradientCompressor("topk", make()[0])  # type: ignore[arg-type]

@@ -18,6 +18,9 @@ from test_exactness import SCRIPT, SEED
 
 from helpers import assert_bitwise_equal, run_script
 
+from diffckpt.storage import open_storage
+from diffckpt.store import RunStore
+
 STEPS = 30  # the "adamw" config: clipping, gradient accumulation 2, validation every 5 batches
 DDP = ["--devices", "2"]
 EXACT = ["topk:0.05", "bf16"]  # stateless: exact end to end from any step
@@ -66,6 +69,11 @@ def _kill_and_resume(tmp_path: Path, codec: str, ranks: int, trial: str) -> tupl
     return kill_at, resumed_from, _load(out, ranks), tmp_path / "steps"
 
 
+def _first_event(run: Path) -> dict:
+    store = RunStore(open_storage(str(run)))
+    return next(r["events"][0] for r, _ in store.read_records(store.plan(1)) if r and r["events"])
+
+
 def _same_step(a: Path, b: Path, step: int) -> None:
     assert_bitwise_equal(torch.load(a / f"step{step}.pt", weights_only=False),
                          torch.load(b / f"step{step}.pt", weights_only=False))
@@ -76,6 +84,11 @@ def _same_step(a: Path, b: Path, step: int) -> None:
 def test_stateless_codec_kill9_resume_is_bitwise_identical(codec, ranks, reference, tmp_path):
     ref, _ = reference(codec, ranks)
     kill_at, resumed_from, resumed, _ = _kill_and_resume(tmp_path, codec, ranks, "exact")
+    payload = _first_event(tmp_path / "run")["payloads"][0][0]  # what the ranks exchanged
+    if codec.startswith("topk"):
+        assert payload["values"].shape[0] == ranks
+    else:
+        assert payload["values"].dtype == torch.bfloat16
     for rank in range(ranks):
         try:
             assert_bitwise_equal(ref[rank], resumed[rank])
@@ -116,3 +129,29 @@ def test_topk_001_diffs_are_a_few_percent_of_a_full_checkpoint(tmp_path):
           f"({per_step / full:.2%})")
     assert full > 3e6
     assert per_step <= 0.03 * full
+
+
+def test_fp16_loss_scaling_with_skipped_steps_single_process(tmp_path):
+    """16-mixed: compression sees unscaled gradients (after GradScaler.unscale_); steps the scaler
+    skips are recorded as skips. Killed and resumed, it ends bitwise where the reference does."""
+    d = tmp_path / "ref"
+    rc, log = run_script(SCRIPT, ["scaler_skip", str(d), "--no-lib", "--codec", "topk:0.05"])
+    assert rc == 0, log[-3000:]
+    run = str(tmp_path / "run")
+    rc, log = run_script(SCRIPT, ["scaler_skip", str(tmp_path / "x.pt"), "--dirpath", run, "--codec", "topk:0.05"],
+                         kill_at_step=random.Random(f"{SEED}-fp16").randrange(6, 16))
+    assert rc == -9, log[-2000:]
+    rc, log = run_script(SCRIPT, ["scaler_skip", str(tmp_path / "out.pt"), "--dirpath", run, "--codec",
+                                  "topk:0.05", "--resume"])
+    assert rc == 0, log[-3000:]
+    assert_bitwise_equal(torch.load(d, weights_only=False), torch.load(tmp_path / "out.pt", weights_only=False))
+
+
+def test_codec_under_ddp_with_fp16_loss_scaling_is_refused(tmp_path):
+    run = tmp_path / "run"
+    rc, log = run_script(SCRIPT, ["scaler_skip", str(tmp_path / "x.pt"), "--dirpath", str(run),
+                                  "--codec", "topk:0.05", *DDP])
+    assert rc != 0
+    assert "UnsupportedConfigurationError: DiffCheckpoint(codec=...) under DDP with precision='16-mixed'" in log
+    assert "Use precision='bf16-mixed'" in log
+    assert not run.exists()  # refused before anything was written
