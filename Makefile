@@ -23,9 +23,15 @@ test: $(STAMP)
 soak: $(STAMP)  # Lightning kill/resume soak, then 200 kill -9 trials on local disk and S3 with a tally
 	$(BIN)/python -m pytest -q -m slow
 
-bench: $(STAMP)
+$(VENV)/.installed-bench: $(STAMP)  # the bench extra (matplotlib for bench/convergence.py)
+	$(BIN)/pip install -q -e ".[test,bench]"
+	touch $@
+
+bench: $(VENV)/.installed-bench
 	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/storage.py
+	$(BIN)/python bench/compressed.py
+	$(BIN)/python bench/convergence.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -54,6 +54,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
@@ -63,8 +64,8 @@ from provenance import header
 
 from diffckpt import CheckpointEngine
 from diffckpt.codecs import LowPrecision, PowerSGD, TopK
+from diffckpt.compression import GradientCompressor
 from lightning_ckpt import DiffCheckpoint, DiffCheckpointIO
-from lightning_ckpt.compression import is_ddp, make_compressor
 
 CODECS: dict[str, Any] = {
     "dense": lambda: None,
@@ -86,21 +87,26 @@ TARGET_BYTES, TARGET_TIME = 0.02, 1.03
 
 class CompressedTraining(L.Callback):
     """The compressed training of ``DiffCheckpoint(codec=...)`` without any checkpointing: the
-    codec as the DDP communication hook, or on the gradients before the optimizer step."""
+    codec as the DDP communication hook, or on the gradients before the optimizer step (after
+    backward, before clipping), with the Trainer's clipping declared."""
 
     def __init__(self, codec: Any) -> None:
         self.codec = codec
-        self.compressor: Any = None
+        self.compressor: GradientCompressor | None = None
 
     def setup(self, trainer, pl_module, stage) -> None:
-        self.compressor = make_compressor(self.codec, trainer, pl_module, 50)
+        self.compressor = GradientCompressor(self.codec, pl_module, check_every=50)
+        clip = trainer.gradient_clip_val
+        algorithm = trainer.gradient_clip_algorithm
+        algorithm = getattr(algorithm, "value", algorithm) or "norm"
+        self.compressor.set_clipping(algorithm if clip else None, clip)
 
     def on_train_start(self, trainer, pl_module) -> None:
-        if is_ddp(trainer):
+        if isinstance(trainer.strategy.model, DistributedDataParallel):
             self.compressor.register_ddp(trainer.strategy.model)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if not is_ddp(trainer):
+        if not isinstance(trainer.strategy.model, DistributedDataParallel):
             self.compressor.compress_(p for g in optimizer.param_groups for p in g["params"])
 
 

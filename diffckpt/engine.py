@@ -232,7 +232,11 @@ class CheckpointEngine:
         with ctx:
             result = replay(self.store, plan, module, optimizers, verify=verify, loaded=(info, base))
         if compressor is not None:
-            states = result.codec_states if result.step == result.base_step else None
-            compressor.restore(states[rank] if states and rank < len(states) else None, result.codec_payloads)
+            if result.codec_config != compressor.codec.config():  # another codec, or none, trained
+                compressor.restore(None, {})
+            else:
+                states = result.codec_states if result.step == result.base_step else None
+                compressor.restore(states[rank] if states and rank < len(states) else None,
+                                   result.codec_payloads)
         return result
 

@@ -42,6 +42,7 @@ class ReplayResult:
     replayed: int
     base_step: int
     problems: list[str] = field(default_factory=list)
+    codec_config: dict[str, Any] | None = None  # the codec the restored session trained with
     codec_states: list[dict[str, torch.Tensor]] | None = None  # per rank, saved with the base
     codec_payloads: dict[str, Any] = field(default_factory=dict)  # last replayed payload per parameter
 
@@ -228,7 +229,7 @@ def replay(store: RunStore, plan: RestorePlan, target: ReplayTarget | torch.nn.M
             "the model's parameters differ from the ones trained (definition, dtype or device)")
     buffers = target.buffers
     result = ReplayResult(step=plan.base.step, state=base["state"], replayed=0, base_step=plan.base.step,
-                          codec_states=base.get("codec"))
+                          codec_config=meta.get("codec"), codec_states=base.get("codec"))
     decoder = _Decoder({id(p): n for n, p in target.params.items()})
     last_applied = plan.base.step
     with torch.no_grad():

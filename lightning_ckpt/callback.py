@@ -22,14 +22,14 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 from diffckpt.codecs import Codec
-from diffckpt.compression import GradientCompressor, check_codec
+from diffckpt.compression import GradientCompressor
 from diffckpt.engine import CheckpointEngine
 from diffckpt.errors import DiffCkptError, UnsupportedConfigurationError
 from diffckpt.options import CheckpointOptions
 from diffckpt.rng import get_rng_state, set_rng_state
 from diffckpt.store import RUN_FILE
 
-from .compression import is_ddp, make_compressor
+from .compression import GradientCompression
 from .references import write_reference
 from .samplers import SamplerOrderTracker
 
@@ -65,10 +65,8 @@ class DiffCheckpoint(ModelCheckpoint):
         self.url = os.fspath(dirpath)
         self.storage_options = dict(storage_options or {})
         self.engine = CheckpointEngine(self.url, self.options, self.storage_options)
-        if codec is not None:
-            check_codec(codec)
-        self.codec = codec
-        self.compressor: GradientCompressor | None = None
+        self._compression = None if codec is None else GradientCompression(
+            codec, self.options.fingerprint_every_n_steps or 50)
         self._codec_states: list[dict[str, Any]] | None = None
         self.dirpath = self.url
         self.durable_step: int | None = None
@@ -91,6 +89,11 @@ class DiffCheckpoint(ModelCheckpoint):
     def state_key(self) -> str:
         # Independent of dirpath: a run resumed from another run root must find its state.
         return "DiffCheckpoint"
+
+    @property
+    def compressor(self) -> GradientCompressor | None:
+        """The compressor of compressed training (``codec=``), once set up."""
+        return None if self._compression is None else self._compression.compressor
 
     @property
     def is_writer(self) -> bool:
@@ -132,9 +135,8 @@ class DiffCheckpoint(ModelCheckpoint):
             strategy.checkpoint_io.attach(self)
         if stage == "fit" and trainer.world_size > 1:
             self._order.install()
-        if stage == "fit" and self.codec is not None and self.compressor is None:
-            self.compressor = make_compressor(self.codec, trainer, pl_module,
-                                              self.options.fingerprint_every_n_steps or 50)
+        if self._compression is not None:
+            self._compression.setup(trainer, pl_module, stage)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         step = trainer.global_step
@@ -142,9 +144,8 @@ class DiffCheckpoint(ModelCheckpoint):
         restored = self._restored is not None and self._restored[0] == step
         if not restored and trainer.world_size > 1:
             self._rank_states = self._gather_rank_states(trainer)
-        if self.compressor is not None:
-            if is_ddp(trainer):
-                self.compressor.register_ddp(trainer.strategy.model)
+        if self._compression is not None:
+            self._compression.on_train_start(trainer, pl_module)
             self._codec_states = self._gather_codec_states(trainer)
         if not self.is_writer:
             self.engine.follow(step, base=True)
@@ -164,8 +165,8 @@ class DiffCheckpoint(ModelCheckpoint):
     # ------------------------------------------------------------------ capture
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: torch.optim.Optimizer) -> None:
-        if self.compressor is not None and not is_ddp(trainer):
-            self.compressor.compress_(p for group in optimizer.param_groups for p in group["params"])
+        if self._compression is not None:
+            self._compression.on_before_optimizer_step(trainer, pl_module, optimizer)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._apply_pending_rng("epoch_start")
@@ -233,7 +234,7 @@ class DiffCheckpoint(ModelCheckpoint):
         wants_state, wants_base = engine.wants_state(step), engine.wants_base(step)
         if wants_state and trainer.world_size > 1:
             self._rank_states = self._gather_rank_states(trainer)
-        if wants_base and self.compressor is not None:
+        if wants_base and self._compression is not None:
             self._codec_states = self._gather_codec_states(trainer)
         if not self.is_writer:
             engine.follow(step, wants_base)
@@ -250,7 +251,6 @@ class DiffCheckpoint(ModelCheckpoint):
         if not self.is_writer:
             return
         step, state, wants_base = held
-        trainer = self._require_trainer()
         self.engine.record_step(step, state)
         if state is not None:
             self._last_state_step = step
@@ -273,8 +273,7 @@ class DiffCheckpoint(ModelCheckpoint):
 
     def _gather_codec_states(self, trainer: pl.Trainer) -> list[dict[str, Any]] | None:
         """Every rank's codec state (error-feedback residuals differ per rank), on rank 0."""
-        assert self.compressor is not None
-        mine = self.compressor.state_dict()
+        mine = self.compressor.state_dict() if self.compressor is not None else {}
         return self._gather(trainer, mine) if trainer.world_size > 1 else [mine]
 
     @staticmethod

@@ -9,34 +9,60 @@ have run. Either way, clipping configured on the Trainer comes after it and is r
 from __future__ import annotations
 
 import lightning.pytorch as pl
+import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from diffckpt.codecs import Codec
-from diffckpt.compression import GradientCompressor
+from diffckpt.compression import GradientCompressor, check_codec
 from diffckpt.errors import UnsupportedConfigurationError
 
-__all__ = ["is_ddp", "make_compressor"]
+__all__ = ["GradientCompression"]
 
 
-def is_ddp(trainer: pl.Trainer) -> bool:
-    return isinstance(trainer.strategy.model, DistributedDataParallel)
+class GradientCompression(pl.Callback):
+    """Compressed training with ``codec``, without checkpoints.
 
+    ``DiffCheckpoint(codec=...)`` runs exactly this and records the payloads; use this callback
+    alone for the same training without diffckpt's checkpoints (a baseline, a comparison). Do not
+    combine the two: the gradients would be compressed twice.
 
-def make_compressor(codec: Codec, trainer: pl.Trainer, module: pl.LightningModule,
-                    check_every: int) -> GradientCompressor:
-    """A compressor for ``module``, with the Trainer's gradient clipping declared; refuses
-    configurations whose compressed gradients cannot be recorded exactly."""
-    compressor = GradientCompressor(codec, module, check_every)
-    if getattr(trainer.strategy, "_ddp_comm_hook", None) is not None:
-        raise UnsupportedConfigurationError(
-            "DiffCheckpoint(codec=...) runs the codec as the DDP communication hook, but the strategy "
-            "already has ddp_comm_hook set; drop ddp_comm_hook (the codec replaces it) or drop codec=")
-    if trainer.world_size > 1 and str(trainer.precision).startswith("16"):
-        raise UnsupportedConfigurationError(
-            "DiffCheckpoint(codec=...) under DDP with precision='16-mixed': the communication hook "
-            "sees gradients still multiplied by the loss scale, so the payloads are not what the "
-            "optimizer consumes. Use precision='bf16-mixed' (no loss scaling) or drop codec=")
-    algorithm = trainer.gradient_clip_algorithm
-    kind = getattr(algorithm, "value", algorithm) or "norm"
-    compressor.set_clipping(kind if trainer.gradient_clip_val else None, trainer.gradient_clip_val)
-    return compressor
+    Args:
+        codec: a codec of :mod:`diffckpt.codecs`.
+        check_every: see :class:`diffckpt.GradientCompressor`.
+    """
+
+    def __init__(self, codec: Codec, check_every: int = 50) -> None:
+        check_codec(codec)
+        self.codec = codec
+        self.check_every = check_every
+        self.compressor: GradientCompressor | None = None
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit" or self.compressor is not None:
+            return
+        if getattr(trainer.strategy, "_ddp_comm_hook", None) is not None:
+            raise UnsupportedConfigurationError(
+                "codec=... runs the codec as the DDP communication hook, but the strategy already has "
+                "ddp_comm_hook set; drop ddp_comm_hook (the codec replaces it) or drop codec=")
+        if trainer.world_size > 1 and str(trainer.precision).startswith("16"):
+            raise UnsupportedConfigurationError(
+                "codec=... under DDP with precision='16-mixed': the communication hook sees gradients "
+                "still multiplied by the loss scale, so the payloads are not what the optimizer "
+                "consumes. Use precision='bf16-mixed' (no loss scaling) or drop codec=")
+        self.compressor = GradientCompressor(self.codec, pl_module, self.check_every)
+        algorithm = trainer.gradient_clip_algorithm
+        kind = getattr(algorithm, "value", algorithm) or "norm"
+        self.compressor.set_clipping(kind if trainer.gradient_clip_val else None, trainer.gradient_clip_val)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.compressor is not None and self._ddp(trainer):
+            self.compressor.register_ddp(trainer.strategy.model)
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                                 optimizer: torch.optim.Optimizer) -> None:
+        if self.compressor is not None and not self._ddp(trainer):
+            self.compressor.compress_(p for group in optimizer.param_groups for p in group["params"])
+
+    @staticmethod
+    def _ddp(trainer: pl.Trainer) -> bool:
+        return isinstance(trainer.strategy.model, DistributedDataParallel)

@@ -97,7 +97,7 @@ def test_every_step_replays_bit_exactly_from_payloads(tmp_path, codec: str) -> N
 def test_records_hold_payloads_not_dense_gradients(tmp_path) -> None:
     run = Run(tmp_path, "topk", write_batch=1)
     run.train(4)
-    segment = sorted((tmp_path / "diffs").iterdir())[-1]
+    segment = max((tmp_path / "diffs").iterdir())
     store = run.engine.store
     records = [r for r, _ in store.read_records(store.plan(4))]
     event = records[-1]["events"][0]
@@ -153,3 +153,14 @@ def test_load_state_rebuilds_a_compressed_run_without_knowing_the_codec(tmp_path
 def test_a_codec_must_be_a_codec() -> None:
     with pytest.raises(TypeError, match="diffckpt.codecs.TopK, PowerSGD or LowPrecision"):
         GradientCompressor("topk", make()[0])  # type: ignore[arg-type]
+
+
+def test_resuming_with_another_codec_starts_its_state_fresh(tmp_path) -> None:
+    run = Run(tmp_path, "powersgd")
+    run.train(5)  # step 5 is a base, with PowerSGD residuals and Q factors
+    module, optimizers = make()
+    compressor = GradientCompressor(TopK(0.05, error_feedback=True), module)
+    result = CheckpointEngine(tmp_path).restore(module, optimizers, 5, compressor=compressor)
+    assert result.codec_config == PowerSGD(rank=2).config()
+    assert_state(run.truth, result, module, optimizers)
+    assert compressor.state_dict() == {}  # PowerSGD's state is not TopK's

@@ -135,31 +135,6 @@ def make_codec(spec: str):
             "bf16": lambda: LowPrecision("bf16")}[name]()
 
 
-class CompressedTraining(L.Callback):
-    """The same compressed training as DiffCheckpoint(codec=...), without any checkpointing."""
-
-    def __init__(self, codec):
-        self.codec = codec
-        self.compressor = None
-
-    def setup(self, trainer, pl_module, stage):
-        from lightning_ckpt.compression import make_compressor
-
-        self.compressor = make_compressor(self.codec, trainer, pl_module, 50)
-
-    def on_train_start(self, trainer, pl_module):
-        from lightning_ckpt.compression import is_ddp
-
-        if is_ddp(trainer):
-            self.compressor.register_ddp(trainer.strategy.model)
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        from lightning_ckpt.compression import is_ddp
-
-        if not is_ddp(trainer):
-            self.compressor.compress_(p for g in optimizer.param_groups for p in g["params"])
-
-
 CONFIGS = {
     # name: (trainer kwargs, steps)
     "adamw": ({"precision": "32-true", "gradient_clip_val": 0.5, "accumulate_grad_batches": 2,
@@ -221,7 +196,11 @@ def main(argv: list[str] | None = None) -> None:
     loader = StatefulDataLoader(make_data(), batch_size=args.batch_size, shuffle=True)
     callbacks: list = [StepPrinter(args.step_sleep, args.dump_steps)]
     if args.codec and args.no_lib:
-        callbacks.append(CompressedTraining(make_codec(args.codec)))
+        from lightning_ckpt.compression import (
+            GradientCompression,  # the same training, no checkpoints
+        )
+
+        callbacks.append(GradientCompression(make_codec(args.codec)))
     plugins: list = []
     if args.config == "scaler_skip":
         from lightning.pytorch.plugins import MixedPrecision
