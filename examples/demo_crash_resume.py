@@ -7,6 +7,10 @@ uninterrupted run ends (``make demo``).
 3. A new process resumes it with ``Trainer.fit(ckpt_path="last")`` and trains to the end.
 4. Every tensor of the final model, optimizer and scheduler state is compared with ``torch.equal``.
 
+With ``--codec topk`` (or ``powersgd``, ``bf16``) both runs train with compressed gradients and
+the diffs are the compressed payloads (``docs/compression.md``); the reference then trains with
+the same codec, without checkpoints.
+
 The training runs are subprocesses of this script (``--child``). Exit status 1 if not bit-exact.
 """
 
@@ -49,6 +53,7 @@ def child(args: argparse.Namespace) -> None:
     loader = make_loader(args.size, seed=args.seed)
     callbacks: list[Any] = [Progress()]
     plugins: list[Any] = []
+    codec = make_codec(args.codec)
     if args.child == "train":
         from lightning_ckpt import DiffCheckpoint, DiffCheckpointIO
 
@@ -58,9 +63,14 @@ def child(args: argparse.Namespace) -> None:
                 every_n_steps=1,
                 write_batch=args.write_batch,
                 base_every_n_steps=args.base_every,
+                codec=codec,
             )
         )
         plugins.append(DiffCheckpointIO())
+    elif codec is not None:  # the same compressed training, without checkpoints
+        from lightning_ckpt.compression import GradientCompression
+
+        callbacks.append(GradientCompression(codec))
     trainer = L.Trainer(
         max_steps=args.steps,
         accelerator="cpu",
@@ -93,6 +103,19 @@ def child(args: argparse.Namespace) -> None:
         os.remove(path)
 
 
+def make_codec(name: str) -> Any:
+    """The demo's codecs: those whose resume is exact end to end from any step (no error
+    feedback; see docs/compression.md for the others)."""
+    from diffckpt.codecs import LowPrecision, PowerSGD, TopK
+
+    return {
+        "none": lambda: None,
+        "topk": lambda: TopK(0.01),
+        "powersgd": lambda: PowerSGD(4, error_feedback=False),
+        "bf16": lambda: LowPrecision("bf16"),
+    }[name]()
+
+
 # ----------------------------------------------------------------------------------------- parent
 def spawn(
     args: argparse.Namespace, mode: str, out: str, log: Any, resume: bool = False
@@ -118,6 +141,8 @@ def spawn(
         str(args.base_every),
         "--threads",
         str(args.threads),
+        "--codec",
+        args.codec,
     ]
     env = dict(
         os.environ,
@@ -287,7 +312,7 @@ def parent(args: argparse.Namespace) -> int:
                 "diff bytes per step",
                 (
                     f"{mb(diff_bytes / diff_steps)}  "
-                    f"({100 * diff_bytes / diff_steps / one_full:.0f}% of a full checkpoint)"
+                    f"({100 * diff_bytes / diff_steps / one_full:.1f}% of a full checkpoint)"
                 ),
             ),
             (
@@ -300,6 +325,7 @@ def parent(args: argparse.Namespace) -> int:
         print(
             f"\ndiffckpt crash/resume demo: GPT '{args.size}' ({n_params / 1e6:.2f}M parameters), "
             f"AdamW + OneCycleLR, {args.steps} steps, a diff every step"
+            + ("" if args.codec == "none" else f", compressed training with {make_codec(args.codec).name}")
         )
         for label, value in rows:
             print(f"  {label:<36}  {value}")
@@ -324,6 +350,13 @@ def main() -> None:
     ap.add_argument("--base-every", type=int, default=50)
     ap.add_argument(
         "--threads", type=int, default=1, help="torch threads per training process (default 1)"
+    )
+    ap.add_argument(
+        "--codec",
+        default="none",
+        choices=["none", "topk", "powersgd", "bf16"],
+        help="compressed training: TopK(0.01), PowerSGD(4, error_feedback=False) or "
+        "LowPrecision('bf16'); the diffs are the payloads (default: none, exact dense diffs)",
     )
     ap.add_argument("--run-dir", help="keep the run here (default: a temp dir, removed at the end)")
     ap.add_argument("--child", choices=["ref", "train"], help=argparse.SUPPRESS)
