@@ -40,9 +40,11 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
 
-from compressed import CODECS, LABELS, CompressedTraining
+from compressed import CODECS, LABELS
 from gpt import GPT, SIZES, make_dataset
 from provenance import header
+
+from lightning_ckpt.compression import GradientCompression
 
 
 class LossRecorder(L.Callback):
@@ -88,11 +90,11 @@ def train(codec: str, args: argparse.Namespace) -> dict[str, Any]:
     recorder = LossRecorder(val_data, args.val_every)
     callbacks: list[Any] = [recorder]
     if codec != "dense":
-        callbacks.insert(0, CompressedTraining(CODECS[codec]()))
+        callbacks.insert(0, GradientCompression(CODECS[codec]()))
     trainer = L.Trainer(
         max_steps=args.steps, accelerator="cpu", devices=1, logger=False,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-        num_sanity_val_steps=0, gradient_clip_val=model.hparams.clip, callbacks=callbacks,
+        num_sanity_val_steps=0, callbacks=callbacks,
     )
     loader = StatefulDataLoader(train_data, batch_size=SIZES[args.size].batch_size, shuffle=True)
     t0 = time.perf_counter()

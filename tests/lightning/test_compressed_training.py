@@ -154,3 +154,21 @@ def test_codec_under_ddp_with_fp16_loss_scaling_is_refused(tmp_path):
     assert "UnsupportedConfigurationError: codec=... under DDP with precision='16-mixed'" in log
     assert "Use precision='bf16-mixed'" in log
     assert not run.exists()  # refused before anything was written
+
+
+def test_clipping_in_configure_gradient_clipping_is_recorded(tmp_path):
+    """A module that clips in its own ``configure_gradient_clipping`` (by value here): the clipping
+    is recorded as applied, every step stays a payload, and the resume is bit-exact."""
+    ref = tmp_path / "ref.pt"
+    rc, log = run_script(SCRIPT, ["clip_hook", str(ref), "--no-lib", "--codec", "topk:0.05"])
+    assert rc == 0, log[-3000:]
+    run = tmp_path / "run"
+    rc, log = run_script(SCRIPT, ["clip_hook", str(tmp_path / "x.pt"), "--dirpath", str(run), "--codec",
+                                  "topk:0.05"], kill_at_step=random.Random(f"{SEED}-clip").randrange(5, 16))
+    assert rc == -9, log[-2000:]
+    assert "recorded with dense gradients" not in log
+    assert _first_event(run)["clip"] == {"kind": "value", "clip_value": 0.02}
+    rc, log = run_script(SCRIPT, ["clip_hook", str(tmp_path / "out.pt"), "--dirpath", str(run), "--codec",
+                                  "topk:0.05", "--resume"])
+    assert rc == 0, log[-3000:]
+    assert_bitwise_equal(torch.load(ref, weights_only=False), torch.load(tmp_path / "out.pt", weights_only=False))

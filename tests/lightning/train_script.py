@@ -86,6 +86,12 @@ class LM(L.LightningModule):
         opt2.step()
         return None
 
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        if self.cfg == "clip_hook":  # clipping chosen by the module, not the Trainer
+            self.clip_gradients(optimizer, gradient_clip_val=0.02, gradient_clip_algorithm="value")
+        else:
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
     def validation_step(self, batch, batch_idx):
         self.log("val_loss", self.loss(batch))
 
@@ -140,6 +146,7 @@ CONFIGS = {
     "adamw": ({"precision": "32-true", "gradient_clip_val": 0.5, "accumulate_grad_batches": 2,
                "val_check_interval": 5, "limit_val_batches": 2}, 30),
     "adamw_bf16": ({"precision": "bf16-mixed", "gradient_clip_val": 0.5, "accumulate_grad_batches": 2}, 24),
+    "clip_hook": ({"precision": "32-true", "accumulate_grad_batches": 2}, 20),
     "sgd_bn": ({"precision": "32-true", "limit_val_batches": 2}, 30),
     "manual2": ({"precision": "32-true"}, 40),
     # Lightning maps "16-mixed" to bf16 on CPU; the plugin forces fp16 autocast with a GradScaler.
