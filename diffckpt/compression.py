@@ -170,8 +170,8 @@ class GradientCompressor:
             for p, g, name in zip(params, consumed, (self.names.get(id(p), "?") for p in params)):
                 if g is not None and not _same_bits(p.grad, g):
                     return (f"the gradient of {name!r} changed between compression and "
-                            "optimizer.step() in a way diffckpt does not record (clipping other than "
-                            "declared, a hook, a custom configure_gradient_clipping...)")
+                            "optimizer.step() in a way diffckpt does not record (clipping it was not "
+                            "told about, a hook that scales gradients...)")
         finally:
             for p, g in zip(params, consumed):
                 p.grad = g
