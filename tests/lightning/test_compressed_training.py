@@ -105,10 +105,22 @@ def test_powersgd_kill9_resume_is_exact_for_parameters_and_optimizer(ranks, refe
     _same_step(ref_steps, steps, resumed_from)
     if resumed_from % 10:  # between bases: error feedback restarts, so training goes on differently
         assert not torch.equal(ref[0]["model"]["net.head.weight"], resumed[0]["model"]["net.head.weight"])
-    # From a base step (bases every 10 steps), residuals included: exact to the end on every rank.
+
+
+@pytest.mark.parametrize("ranks", [1, 2], ids=["single", "ddp"])
+def test_powersgd_resume_at_a_base_step_is_exact_to_the_end(ranks, reference, tmp_path):
+    """Every rank's residuals are saved with each base (every 10 steps), so resuming there
+    continues exactly as the uninterrupted run, to the last step, on every rank."""
+    codec, par = "powersgd:2", DDP if ranks > 1 else []
+    ref, _ = reference(codec, ranks)
+    full = tmp_path / "full"
+    rc, log = run_script(SCRIPT, ["adamw", str(tmp_path / "full.pt"), "--dirpath", str(full), "--codec", codec, *par])
+    assert rc == 0, log[-3000:]
+    for rank, state in enumerate(_load(tmp_path / "full.pt", ranks)):  # checkpointing changes nothing
+        assert_bitwise_equal(ref[rank], state)
     out = tmp_path / "from_base.pt"
     rc, log = run_script(SCRIPT, ["adamw", str(out), "--dirpath", str(tmp_path / "again"), "--codec", codec,
-                                  "--ckpt-path", f"{tmp_path / 'run'}/step=10", *(DDP if ranks > 1 else [])])
+                                  "--ckpt-path", f"{full}/step=10", *par])
     assert rc == 0, log[-3000:]
     for rank, state in enumerate(_load(out, ranks)):
         assert_bitwise_equal(ref[rank], state)
