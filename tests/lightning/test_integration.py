@@ -74,10 +74,7 @@ def _signal_at_step(tmp_path, sig: int, step: int = 7, extra: tuple[str, ...] = 
     ``STEP >= step``; return that step and the rest of its output."""
     cmd = [sys.executable, os.path.join(ROOT, SCRIPT), "adamw", str(tmp_path / "x.pt"), "--dirpath",
            str(tmp_path / "run"), "--write-batch", "64", "--base-every", "1000", *extra]
-    # A shell runs background jobs with SIGINT ignored, and Python then installs no KeyboardInterrupt
-    # handler: give the child the default disposition, as an interactive terminal would.
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=subprocess_env(),
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=subprocess_env())
     seen = 0
     assert proc.stdout is not None
     for line in proc.stdout:

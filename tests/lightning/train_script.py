@@ -14,6 +14,7 @@ import argparse
 import json
 import logging
 import random
+import signal
 import sys
 import time
 
@@ -247,6 +248,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    # A shell starts background jobs with SIGINT ignored, and Python then raises no
+    # KeyboardInterrupt on Ctrl-C: behave as a run started from a terminal, whoever started us.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     # diffckpt's INFO lines (restored step, durable step at close) and its warnings, on stdout with
     # the STEP lines; only when run as a script, so that in-process runs leave pytest's logging alone.
     handler = logging.StreamHandler(sys.stdout)
