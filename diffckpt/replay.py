@@ -157,11 +157,13 @@ class _Decoder:
         self.codecs: dict[str, Codec] = {}
         self.last: dict[str, Any] = {}
 
-    def grad(self, event: dict[str, Any], p: torch.Tensor, payload: dict[str, torch.Tensor]) -> torch.Tensor:
-        key = json.dumps(event["codec"], sort_keys=True)
-        codec = self.codecs.get(key)
-        if codec is None:
-            codec = self.codecs[key] = codec_from_config(event["codec"])
+    def codec(self, config: dict[str, Any]) -> Codec:
+        key = json.dumps(config, sort_keys=True)
+        if key not in self.codecs:
+            self.codecs[key] = codec_from_config(config)
+        return self.codecs[key]
+
+    def grad(self, codec: Codec, p: torch.Tensor, payload: dict[str, torch.Tensor]) -> torch.Tensor:
         payload = {k: t.to(p.device) for k, t in payload.items()}
         self.last[self.names.get(id(p), "")] = payload
         return codec.decode(payload, p.shape, p.dtype)
@@ -179,6 +181,7 @@ def _apply_event(event: dict[str, Any], optimizers: list[torch.optim.Optimizer],
             f"step {step}: optimizer {index} had {len(event['groups'])} param groups in training, "
             f"{len(opt.param_groups)} now; configure the same param groups")
     coded = "payloads" in event
+    codec = decoder.codec(event["codec"]) if coded else None
     for group, hyper, grads in zip(opt.param_groups, event["groups"], event["payloads" if coded else "grads"]):
         if len(grads) != len(group["params"]):
             raise IncompatibleCheckpointError(
@@ -186,8 +189,8 @@ def _apply_event(event: dict[str, Any], optimizers: list[torch.optim.Optimizer],
                 f"training, {len(group['params'])} now; the model or optimizer differs")
         group.update(hyper)
         for p, g in zip(group["params"], grads):
-            if coded and g is not None:
-                g = decoder.grad(event, p, g)
+            if codec is not None and g is not None:
+                g = decoder.grad(codec, p, g)
             if g is not None and g.shape != p.shape:
                 raise IncompatibleCheckpointError(
                     f"step {step}: gradient of shape {tuple(g.shape)} for a parameter of shape "
