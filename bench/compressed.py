@@ -63,7 +63,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
 
 from gpt import GPT, SIZES, make_loader
-from provenance import header
+from provenance import header, report_path, write_report
 
 from diffckpt import CheckpointEngine
 from diffckpt.codecs import LowPrecision, PowerSGD, TopK
@@ -404,8 +404,7 @@ def main() -> None:
         worker(args)
         return
     torch.set_num_threads(args.threads)
-    out = args.out or os.path.join(
-        ROOT, "bench", "results", "compressed-quick.md" if args.quick else "compressed.md")
+    out = report_path(args.out, "compressed", args.quick)
     info = machine_info(args)
     t_start = time.perf_counter()
     run_single("dense", "none", args, args.warmup + 2)  # warm up the process
@@ -425,9 +424,7 @@ def main() -> None:
     report = ["# Compressed-gradient diffs: bytes, overhead and replay per codec", "", *info,
               f"- bench wall time: {wall / 60:.1f} min", "", *sections, ""]
     print("\n" + "\n".join(sections))
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        f.write("\n".join(report))
+    write_report(out, report)
     print(f"\nwritten to {out} ({wall:.0f} s)")
 
 

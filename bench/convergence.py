@@ -42,7 +42,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
 
 from compressed import CODECS, LABELS
 from gpt import GPT, SIZES, make_dataset
-from provenance import header
+from provenance import header, report_path, write_report
 
 from lightning_ckpt.compression import GradientCompression
 
@@ -238,7 +238,7 @@ def parse_args() -> argparse.Namespace:
         sys.exit(f"--codecs must include 'dense' and only use {list(CODECS)}")
     suffix = "-quick" if args.quick else ""
     results_dir = os.path.join(ROOT, "bench", "results")
-    args.out = args.out or os.path.join(results_dir, f"convergence{suffix}.md")
+    args.out = report_path(args.out, "convergence", args.quick)
     args.csv = args.csv or os.path.join(results_dir, f"convergence{suffix}.csv")
     args.plot = args.plot or (os.path.join(results_dir, "compression-loss-quick.png") if args.quick
                               else os.path.join(ROOT, "docs", "compression-loss.png"))
@@ -260,7 +260,7 @@ def main() -> None:
               f"{statistics.fmean(r['train'][-args.smooth:]):.4f}  val {r['evals'][args.steps]:.4f}",
               flush=True)
     wall = time.perf_counter() - t_start
-    for path in (args.out, args.csv, args.plot):
+    for path in (args.csv, args.plot):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     write_csv(args.csv, results)
     plot(args.plot, results, args)
@@ -269,8 +269,7 @@ def main() -> None:
     report = ["# Convergence of compressed training", "", *info,
               f"- bench wall time: {wall / 60:.1f} min", "", *table, "",
               f"Raw losses: `{rel(args.csv)}`; plot: `{rel(args.plot)}`.", ""]
-    with open(args.out, "w") as f:
-        f.write("\n".join(report))
+    write_report(args.out, report)
     print("\n" + "\n".join(table))
     print(f"\nwritten to {args.out}, {args.csv}, {args.plot} ({wall:.0f} s)")
 

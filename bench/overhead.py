@@ -39,7 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
 
 from gpt import GPT, SIZES, make_loader
-from provenance import header
+from provenance import header, report_path, write_report
 
 from lightning_ckpt import DiffCheckpoint, DiffCheckpointIO
 
@@ -230,9 +230,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.size, args.steps, args.rounds = "demo", 10, 1
-    out = args.out or os.path.join(
-        ROOT, "bench", "results", "overhead-quick.md" if args.quick else "overhead.md"
-    )
+    out = report_path(args.out, "overhead", args.quick)
     configs = args.configs.split(",")
     unknown = set(configs) - set(CONFIGS)
     if unknown or "none" not in configs:
@@ -258,9 +256,7 @@ def main() -> None:
     table = render(results, steps, warmup)
     report = ["# Checkpointing overhead per training step", "", *info, "", *table, ""]
     print("\n" + "\n".join(table))
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        f.write("\n".join(report))
+    write_report(out, report)
     print(f"\nwritten to {out}")
 
 

@@ -1,4 +1,5 @@
-"""The header lines every benchmark report starts with: when, which commit, which machine."""
+"""What every benchmark report shares: the header lines (when, which commit, which machine) and
+where and how the Markdown report is written."""
 
 from __future__ import annotations
 
@@ -34,3 +35,15 @@ def header(versions: str, threads_note: str = "") -> list[str]:
          f"torch threads {torch.get_num_threads()}{threads_note}, load average before the run {load}"),
         f"- python {platform.python_version()}, torch {torch.__version__}, {versions}",
     ]
+
+
+def report_path(out: str | None, name: str, quick: bool) -> str:
+    """``out`` if given, else ``bench/results/<name>.md`` (``<name>-quick.md`` for a smoke run)."""
+    return out or os.path.join(ROOT, "bench", "results", f"{name}-quick.md" if quick else f"{name}.md")
+
+
+def write_report(path: str, lines: list[str]) -> None:
+    """Write a Markdown report, creating its directory."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write("\n".join(lines))

@@ -65,7 +65,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
 
 from gpt import GPT, SIZES, make_loader
-from provenance import header
+from provenance import header, report_path, write_report
 
 from diffckpt import CheckpointEngine, CheckpointOptions, FsspecStorage
 
@@ -433,9 +433,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.size, args.steps, args.rounds = "tiny", 64, 1
-    out = args.out or os.path.join(
-        ROOT, "bench", "results", "storage-quick.md" if args.quick else "storage.md"
-    )
+    out = report_path(args.out, "storage", args.quick)
     steps, warmup = args.steps, args.warmup
     if steps <= warmup:
         sys.exit("--steps must exceed --warmup")
@@ -475,9 +473,7 @@ def main() -> None:
     title = "# Storage traffic and throughput per write_batch, local disk vs S3"
     report = [title, "", *info, "", *table, ""]
     print("\n" + "\n".join(table))
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        f.write("\n".join(report))
+    write_report(out, report)
     print(f"\nwritten to {out}")
 
 
