@@ -12,7 +12,13 @@ import torch
 from engine_runs import assert_state, snapshot
 from helpers import assert_bitwise_equal
 
-from diffckpt import CheckpointEngine, CheckpointOptions, load_state
+from diffckpt import (
+    CheckpointEngine,
+    CheckpointOptions,
+    CorruptRecordError,
+    IncompatibleCheckpointError,
+    load_state,
+)
 from diffckpt.codecs import LowPrecision, PowerSGD, TopK, codec_from_config
 from diffckpt.compression import GradientCompressor
 
@@ -164,3 +170,26 @@ def test_resuming_with_another_codec_starts_its_state_fresh(tmp_path) -> None:
     assert result.codec_config == PowerSGD(rank=2).config()
     assert_state(run.truth, result, module, optimizers)
     assert compressor.state_dict() == {}  # PowerSGD's state is not TopK's
+
+
+def test_damaged_compressed_segment_falls_back_and_a_different_model_is_refused(tmp_path) -> None:
+    run = Run(tmp_path, "topk", write_batch=2, base_every_n_steps=None)
+    run.train(8)
+    last = max((tmp_path / "diffs").iterdir())  # steps 7..8
+    data = bytearray(last.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    last.write_bytes(bytes(data))
+    module, optimizers = make()
+    with pytest.warns(UserWarning, match=last.name):
+        result = CheckpointEngine(tmp_path).restore(module, optimizers)
+    assert result.step == 6  # the newest step before the damaged payloads
+    assert_state(run.truth, result, module, optimizers)
+    last.write_bytes(bytes(data[: len(data) // 3]))  # truncated
+    with pytest.raises(CorruptRecordError):
+        CheckpointEngine(tmp_path).restore(*make(), step=8)
+    torch.manual_seed(0)
+    other = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 1))
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(IncompatibleCheckpointError, match="different model"):
+        CheckpointEngine(tmp_path).restore(other, [torch.optim.AdamW(other.parameters())], 4)
+    assert_bitwise_equal(before, other.state_dict())  # left untouched
