@@ -23,10 +23,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 
 class Net(torch.nn.Module):
-    def __init__(self, dim: int = 16) -> None:
+    def __init__(self, width: int = 32) -> None:
         super().__init__()
-        self.body = torch.nn.Sequential(torch.nn.Linear(dim, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
-                                        torch.nn.Dropout(0.2), torch.nn.Linear(32, 4))
+        self.body = torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.BatchNorm1d(width), torch.nn.ReLU(),
+                                        torch.nn.Dropout(0.2), torch.nn.Linear(width, 4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.body(x)
@@ -52,6 +52,8 @@ def main() -> None:
     p.add_argument("--save-dir")
     p.add_argument("--load-state", help="accelerator.load_state(DIR) instead of restore()")
     p.add_argument("--stop-at", type=int, help="stop the loop after this many optimizer steps")
+    p.add_argument("--dump-steps", help="save model, optimizer and scheduler state after each step here")
+    p.add_argument("--width", type=int, default=32)
     args = p.parse_args()
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
@@ -59,7 +61,7 @@ def main() -> None:
     set_seed(0)
     data = TensorDataset(torch.randn(args.samples, 16), torch.randint(0, 4, (args.samples,)))
     dl = DataLoader(data, batch_size=args.batch, shuffle=True)
-    model = Net()
+    model = Net(args.width)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.05 * s))
     model, opt, dl, sched = accelerator.prepare(model, opt, dl, sched)
@@ -99,6 +101,9 @@ def main() -> None:
                     opt.zero_grad()
                 if accelerator.sync_gradients:
                     steps += 1
+                    if args.dump_steps and accelerator.is_main_process:
+                        torch.save(final_state(accelerator, model, opt, sched, steps),
+                                   os.path.join(args.dump_steps, f"step{steps}.pt"))
                     if args.save_state_at == steps:
                         accelerator.save_state(args.save_dir)
                     if accelerator.is_main_process:
@@ -109,13 +114,17 @@ def main() -> None:
         pass
     if ckpt is not None:
         ckpt.close()
-    if accelerator.is_main_process:
-        unwrapped = accelerator.unwrap_model(model)
-        torch.save({"model": unwrapped.state_dict(), "optimizer": opt.optimizer.state_dict(),
-                    "scheduler": sched.state_dict(), "steps": steps, "torch_rng": torch.get_rng_state(),
-                    "numpy_rng": np.random.get_state()[1], "python_rng": random.getstate()[1]}, args.out)
+    rank = accelerator.process_index
+    state = dict(final_state(accelerator, model, opt, sched, steps), torch_rng=torch.get_rng_state(),
+                 numpy_rng=np.random.get_state()[1], python_rng=random.getstate()[1])
+    torch.save(state, args.out if rank == 0 else f"{args.out}.rank{rank}")
     accelerator.wait_for_everyone()
     print("DONE", flush=True)
+
+
+def final_state(accelerator, model, opt, sched, steps: int) -> dict:
+    return {"model": accelerator.unwrap_model(model).state_dict(), "optimizer": opt.optimizer.state_dict(),
+            "scheduler": sched.state_dict(), "steps": steps, "accelerator_step": accelerator.step}
 
 
 class StopTraining(Exception):

@@ -1,0 +1,121 @@
+"""Setups ``DiffCheckpointer`` refuses, with the fix in the message, before anything is written;
+and what ``restore`` does on an empty run root or for a step that is not there."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs, DistributedType, ProjectConfiguration
+from helpers import run_script
+from test_accelerate_training import SCRIPT, torchrun
+from torch.utils.data import DataLoader, TensorDataset
+
+from accelerate_ckpt import DiffCheckpointer, GradientCompression
+from diffckpt import CheckpointNotFoundError, DiffCkptError, UnsupportedConfigurationError
+from diffckpt.codecs import TopK
+
+
+@pytest.fixture
+def accelerator_factory():
+    made = []
+
+    def make(cls=Accelerator, **kwargs):
+        acc = cls(cpu=True, **kwargs)
+        made.append(acc)
+        return acc
+    yield make
+    AcceleratorState._reset_state(True)
+
+
+def _prepare(acc):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dl = DataLoader(TensorDataset(torch.randn(16, 4), torch.randn(16, 2)), batch_size=4, shuffle=True)
+    return acc.prepare(model, opt, dl)
+
+
+class _Sharded(Accelerator):
+    """FSDP and DeepSpeed cannot run on this CPU-only machine (``cpu=True`` turns them into
+    MULTI_CPU); only the reported type is changed, the rest is a real Accelerator."""
+
+    kind = None  # set after prepare(), which would try to shard for real
+
+    @property
+    def distributed_type(self):
+        return self.kind or super().distributed_type
+
+
+@pytest.mark.parametrize("kind", [DistributedType.FSDP, DistributedType.DEEPSPEED])
+def test_sharded_strategies_are_refused(kind, accelerator_factory, tmp_path):
+    acc = accelerator_factory(_Sharded)
+    _prepare(acc)
+    acc.kind = kind
+    with pytest.raises(UnsupportedConfigurationError, match="does not support (FSDP|DeepSpeed).*DDP or a single"):
+        DiffCheckpointer(acc, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_processes_that_did_not_join_are_refused(accelerator_factory, tmp_path, monkeypatch):
+    acc = accelerator_factory()
+    _prepare(acc)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # launched as 2 processes, but Accelerate runs each alone
+    with pytest.raises(UnsupportedConfigurationError, match="cpu=True.*ACCELERATE_USE_CPU"):
+        DiffCheckpointer(acc, tmp_path / "run")
+
+
+def test_run_root_inside_accelerates_rotated_checkpoints_is_refused(accelerator_factory, tmp_path):
+    acc = accelerator_factory(project_config=ProjectConfiguration(
+        project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=2))
+    _prepare(acc)
+    with pytest.raises(UnsupportedConfigurationError, match="total_limit.*elsewhere"):
+        DiffCheckpointer(acc, tmp_path / "checkpoints" / "diffs")
+    DiffCheckpointer(acc, tmp_path / "diffckpt").close()  # next to it is fine
+
+
+def test_codec_with_an_accelerate_comm_hook_is_refused(accelerator_factory, tmp_path):
+    acc = accelerator_factory(kwargs_handlers=[DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType.FP16)])
+    _prepare(acc)
+    with pytest.raises(UnsupportedConfigurationError, match="comm_hook='fp16'.*drop comm_hook"):
+        DiffCheckpointer(acc, tmp_path / "run", codec=TopK(0.01))
+    with pytest.raises(TypeError, match="diffckpt codec"):
+        GradientCompression(acc, "topk")
+
+
+def test_nothing_prepared_and_unprepared_loader_are_refused(accelerator_factory, tmp_path):
+    acc = accelerator_factory()
+    with pytest.raises(UnsupportedConfigurationError, match="no model was prepared"):
+        DiffCheckpointer(acc, tmp_path / "run")
+    _prepare(acc)
+    ckpt = DiffCheckpointer(acc, tmp_path / "run")
+    with pytest.raises(DiffCkptError, match="accelerator.prepare returned"):
+        ckpt.dataloader(DataLoader(TensorDataset(torch.randn(4, 4)), batch_size=2))
+    ckpt.close()
+
+
+def test_restore_on_empty_root_starts_at_zero_and_a_missing_step_raises(accelerator_factory, tmp_path):
+    acc = accelerator_factory()
+    model, opt, dl = _prepare(acc)
+    ckpt = DiffCheckpointer(acc, tmp_path / "run", write_batch=1)
+    assert ckpt.restore("last") == 0
+    with ckpt:
+        for x, y in ckpt.dataloader(dl):
+            acc.backward(torch.nn.functional.mse_loss(model(x), y))
+            opt.step()
+            opt.zero_grad()
+    assert ckpt.durable_step == 4
+    again = DiffCheckpointer(acc, tmp_path / "run")
+    with pytest.raises(CheckpointNotFoundError, match="9"):
+        again.restore(9)
+    with pytest.raises(ValueError, match="'last' or a step number"):
+        again.restore("newest")
+    assert again.restore(4) == 4
+    again.close()
+
+
+def test_memory_storage_with_several_processes_is_refused(tmp_path):
+    rc, log = run_script(SCRIPT, [str(tmp_path / "x.pt"), "--dirpath", "memory://run"], prefix=torchrun())
+    assert rc != 0 and "memory:// is private to each process" in log, log[-2000:]
+

@@ -1,0 +1,182 @@
+"""``DiffCheckpointer`` in real Accelerate loops on CPU: ``kill -9`` mid-run and resume, compared
+bitwise (``torch.equal`` on every tensor of model, optimizer, scheduler and RNG, on every rank)
+with an uninterrupted run of the same loop that never imported diffckpt.
+
+Configurations: one process with gradient accumulation, clipping and a scheduler; bf16 mixed
+precision; two processes under ``torch.distributed.run`` (DDP over gloo); compressed training.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import ROOT, assert_bitwise_equal, run_script, script_env
+
+from diffckpt.storage import open_storage
+from diffckpt.store import RunStore
+
+SCRIPT = "tests/accelerate/accel_script.py"
+SEED = int(os.environ.get("DIFFCKPT_TEST_SEED", "20261122"))
+_port = iter(range(29650, 29700))
+
+
+def torchrun() -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+            "--master_port", str(next(_port))]
+
+
+# name: (script arguments, processes, optimizer steps in the run)
+CONFIGS = {
+    "accum_clip": (["--accum", "2", "--clip", "1.0"], 1, 18),
+    "bf16": (["--mp", "bf16", "--clip", "0.5"], 1, 36),
+    "ddp": (["--accum", "2", "--clip", "1.0", "--epochs", "4"], 2, 12),
+    "topk": (["--codec", "topk", "--clip", "1.0"], 1, 36),
+    "ddp_topk": (["--codec", "topk", "--clip", "1.0", "--epochs", "4"], 2, 24),
+    "ddp_powersgd": (["--codec", "powersgd", "--accum", "2", "--epochs", "4"], 2, 12),
+}
+
+
+def _run(config: str, out: Path, extra: list[str] = (), **kw) -> str:
+    args, ranks, _ = CONFIGS[config]
+    rc, log = run_script(SCRIPT, [str(out), *args, *extra], prefix=torchrun() if ranks > 1 else None, **kw)
+    if kw.get("kill_at_step") is None:
+        assert rc == 0, log[-3000:]
+    else:
+        assert rc == -9, f"training was not killed: {log[-2000:]}"
+    return log
+
+
+def _load(out: Path, ranks: int) -> list[dict]:
+    return [torch.load(out if r == 0 else f"{out}.rank{r}", weights_only=False) for r in range(ranks)]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Final state of every rank of the uninterrupted loop without diffckpt, per configuration."""
+    cache: dict[str, list[dict]] = {}
+
+    def get(config: str) -> list[dict]:
+        if config not in cache:
+            out = tmp_path_factory.mktemp("ref") / "final.pt"
+            log = _run(config, out)
+            assert "diffckpt" not in log
+            cache[config] = _load(out, CONFIGS[config][1])
+        return cache[config]
+    return get
+
+
+def _resumed_from(log: str) -> int:
+    return int(next(line for line in log.splitlines() if line.startswith("RESUMED")).split()[1])
+
+
+def _kill_and_resume(config: str, tmp_path: Path, reference) -> tuple[int, int, str]:
+    _, ranks, steps = CONFIGS[config]
+    kill_at = random.Random(f"{SEED}-{config}").randrange(4, steps - 1)
+    run = tmp_path / "run"
+    _run(config, tmp_path / "killed.pt", ["--dirpath", str(run)], kill_at_step=kill_at)
+    log = _run(config, tmp_path / "resumed.pt", ["--dirpath", str(run), "--resume", "last"])
+    resumed_from = _resumed_from(log)
+    assert 0 <= resumed_from <= kill_at, (resumed_from, kill_at)
+    assert "recorded with dense gradients" not in log
+    try:
+        for r, (want, got) in enumerate(zip(reference(config), _load(tmp_path / "resumed.pt", ranks))):
+            assert_bitwise_equal(want, got, f"rank{r}")
+    except AssertionError as exc:
+        raise AssertionError(f"killed at step {kill_at}, resumed from {resumed_from} (seed {SEED}): {exc}") from None
+    return kill_at, resumed_from, log
+
+
+@pytest.mark.parametrize("config", ["accum_clip", "bf16", "ddp"])
+def test_kill9_then_restore_last_is_bitwise_identical(config, reference, tmp_path):
+    _kill_and_resume(config, tmp_path, reference)
+
+
+@pytest.mark.parametrize("config", ["topk", "ddp_topk", "ddp_powersgd"])
+def test_compressed_kill9_then_restore_last_is_bitwise_identical(config, reference, tmp_path):
+    """The reference trains with accelerate_ckpt.GradientCompression and no checkpoints."""
+    _kill_and_resume(config, tmp_path, reference)
+    store = RunStore(open_storage(str(tmp_path / "run")))
+    event = next(r["events"][0] for r, _ in store.read_records(store.plan(1)) if r and r["events"])
+    assert "grads" not in event  # recorded as the payloads training exchanged
+    assert event["codec"]["codec"] == ("topk" if "topk" in config else "powersgd")
+    if "topk" in config:  # one row of entries per rank
+        assert event["payloads"][0][0]["values"].shape[0] == CONFIGS[config][1]
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    """An uninterrupted checkpointed run of ``accum_clip`` with a dump of every step."""
+    d = tmp_path_factory.mktemp("full")
+    (d / "dumps").mkdir()
+    _run("accum_clip", d / "final.pt", ["--dirpath", str(d / "run"), "--dump-steps", str(d / "dumps")])
+    return d
+
+
+def test_checkpointing_does_not_perturb_training(full_run, reference):
+    assert_bitwise_equal(reference("accum_clip")[0], _load(full_run / "final.pt", 1)[0])
+
+
+@pytest.mark.parametrize("step", [4, 6, 13])  # mid-epoch, the end of an epoch (6 steps each), mid-epoch
+def test_restore_explicit_step_is_that_step_and_continues_exactly(step, full_run, reference, tmp_path):
+    log = _run("accum_clip", tmp_path / "at.pt", ["--dirpath", str(full_run / "run"), "--resume", str(step),
+                                                   "--epochs", "0"])
+    assert _resumed_from(log) == step
+    restored = _load(tmp_path / "at.pt", 1)[0]
+    dumped = torch.load(full_run / "dumps" / f"step{step}.pt", weights_only=False)
+    for key in ("model", "optimizer", "scheduler", "accelerator_step"):
+        assert_bitwise_equal(dumped[key], restored[key], key)
+    _run("accum_clip", tmp_path / "end.pt", ["--dirpath", str(full_run / "run"), "--resume", str(step)])
+    assert_bitwise_equal(reference("accum_clip")[0], _load(tmp_path / "end.pt", 1)[0])
+
+
+def test_save_state_and_load_state_restore_through_replay(reference, tmp_path):
+    """save_state at step 5 writes a base and references it instead of the weights; load_state of
+    that directory replays, and training continues bitwise as if never stopped."""
+    run, saved = tmp_path / "run", tmp_path / "saved"
+    _run("accum_clip", tmp_path / "x.pt", ["--dirpath", str(run), "--save-state-at", "5", "--save-dir",
+                                           str(saved), "--stop-at", "8"])
+    files = sorted(os.listdir(saved))
+    assert "custom_checkpoint_0.pkl" in files and "optimizer.bin" in files
+    assert not [f for f in files if f.startswith(("model", "pytorch_model"))], files
+    assert any(b.step == 5 for b in RunStore(open_storage(str(run))).inventory().bases)
+    log = _run("accum_clip", tmp_path / "loaded.pt", ["--dirpath", str(run), "--load-state", str(saved)])
+    assert _resumed_from(log) == 5
+    assert_bitwise_equal(reference("accum_clip")[0], _load(tmp_path / "loaded.pt", 1)[0])
+
+
+def test_sigterm_flushes_every_step_and_exits(reference, tmp_path):
+    run = tmp_path / "run"
+    args, _, _ = CONFIGS["accum_clip"]
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, SCRIPT), str(tmp_path / "x.pt"), *args,
+                             "--dirpath", str(run)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=script_env())
+    lines, sent_after = [], None
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("STEP ") and sent_after is None and int(line.split()[1]) >= 7:
+            sent_after = int(line.split()[1])
+            proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 128 + signal.SIGTERM, "".join(lines)[-2000:]
+    log = "".join(lines)
+    last = max(int(line.split()[1]) for line in lines if line.startswith("STEP "))
+    assert sent_after is not None and last <= sent_after + 1
+    assert f"stopped by SIGTERM; durable up to step {last} in" in log
+    log = _run("accum_clip", tmp_path / "resumed.pt", ["--dirpath", str(run), "--resume", "last"])
+    assert _resumed_from(log) == last
+    assert_bitwise_equal(reference("accum_clip")[0], _load(tmp_path / "resumed.pt", 1)[0])
+
+
+def test_different_model_is_refused_and_the_run_is_untouched(full_run, tmp_path):
+    before = sorted(p.name for p in (full_run / "run").rglob("*"))
+    rc, log = run_script(SCRIPT, [str(tmp_path / "x.pt"), "--accum", "2", "--dirpath", str(full_run / "run"),
+                                  "--resume", "last", "--width", "48"])
+    assert rc != 0 and "IncompatibleCheckpointError" in log, log[-2000:]
+    assert sorted(p.name for p in (full_run / "run").rglob("*")) == before
