@@ -189,9 +189,11 @@ def _describe(store: RunStore, inv: Inventory) -> dict[str, Any]:
 
 def _render_ls(d: dict[str, Any]) -> str:
     url, newest, t = d["url"], d["newest"], d["totals"]
+    accelerate = any(str(s["framework"] or "").startswith("accelerate") for s in d["sessions"][-1:])
+    how = (f'DiffCheckpointer(accelerator, "{url}").restore("last")' if accelerate else
+           f'ckpt_path="{url}" (or "last" with DiffCheckpoint)')
     lines = [f"run {url}", "no durable step yet (no committed base)" if newest is None else
-             f'newest durable step {newest["step"]} (g{newest["gen"]}): ckpt_path="{url}" '
-             '(or "last" with DiffCheckpoint)', "", "sessions"]
+             f'newest durable step {newest["step"]} (g{newest["gen"]}): {how}', "", "sessions"]
     lines += _table(["gen", "started", "resumed_from", "durable", "newest", "ckpt_path"], [
         [f"g{s['gen']}", "damaged" if s["damaged"] else _when(s["started"]), str(s["resumed_from"]),
          (", ".join(f"{lo}..{hi}" for lo, hi in s["durable"]) or "-") + _every(s["options"]),
@@ -213,7 +215,8 @@ def _render_ls(d: dict[str, Any]) -> str:
         diffs += f" over {t['diff_steps']} steps, {avg} per step"
     lines += [f"  diffs       {diffs}",
               f"  other       {_human(t['other_bytes'])} ({t['other_bytes']} B)", "",
-              f'resume any durable step N with ckpt_path="{url}/step=N"']
+              "resume any durable step N with " + (
+                  "DiffCheckpointer(...).restore(N)" if accelerate else f'ckpt_path="{url}/step=N"')]
     return "\n".join(lines)
 
 

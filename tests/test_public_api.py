@@ -26,6 +26,13 @@ def test_lightning_public_api():
     assert sorted(lightning_ckpt.__all__) == ["DiffCheckpoint", "DiffCheckpointIO"]
 
 
+def test_accelerate_public_api():
+    import accelerate_ckpt
+
+    assert sorted(accelerate_ckpt.__all__) == ["DiffCheckpointer", "GradientCompression", "TrackedDataLoader"]
+    assert all(hasattr(accelerate_ckpt, name) for name in accelerate_ckpt.__all__)
+
+
 def test_error_tree_inherits_builtins():
     assert issubclass(diffckpt.CorruptRecordError, ValueError)
     assert issubclass(diffckpt.CheckpointNotFoundError, FileNotFoundError)

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from accelerate_ckpt import DiffCheckpointer, GradientCompression
 from diffckpt import CheckpointNotFoundError, DiffCkptError, UnsupportedConfigurationError
+from diffckpt.cli import main
 from diffckpt.codecs import TopK
 
 
@@ -95,7 +96,7 @@ def test_nothing_prepared_and_unprepared_loader_are_refused(accelerator_factory,
     ckpt.close()
 
 
-def test_restore_on_empty_root_starts_at_zero_and_a_missing_step_raises(accelerator_factory, tmp_path):
+def test_restore_on_empty_root_starts_at_zero_and_a_missing_step_raises(accelerator_factory, tmp_path, capsys):
     acc = accelerator_factory()
     model, opt, dl = _prepare(acc)
     ckpt = DiffCheckpointer(acc, tmp_path / "run", write_batch=1)
@@ -113,6 +114,8 @@ def test_restore_on_empty_root_starts_at_zero_and_a_missing_step_raises(accelera
         again.restore("newest")
     assert again.restore(4) == 4
     again.close()
+    assert main(["ls", str(tmp_path / "run")]) == 0  # `ls` says how to resume an Accelerate run
+    assert f'DiffCheckpointer(accelerator, "{tmp_path / "run"}").restore("last")' in capsys.readouterr().out
 
 
 def test_memory_storage_with_several_processes_is_refused(tmp_path):
