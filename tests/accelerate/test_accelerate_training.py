@@ -180,3 +180,9 @@ def test_different_model_is_refused_and_the_run_is_untouched(full_run, tmp_path)
                                   "--resume", "last", "--width", "48"])
     assert rc != 0 and "IncompatibleCheckpointError" in log, log[-2000:]
     assert sorted(p.name for p in (full_run / "run").rglob("*")) == before
+
+
+def test_example_is_bit_exact(tmp_path):
+    """examples/accelerate_train.py (one epoch): reference, SIGKILL, restore("last"), compare."""
+    rc, log = run_script("examples/accelerate_train.py", ["--epochs", "1", "--seed", "3"])
+    assert rc == 0 and "bit-exact: yes" in log, log[-3000:]
