@@ -300,7 +300,8 @@ class DiffCheckpointer:
         if ours is None:
             raise IncompatibleCheckpointError(
                 f"step {result.step} under {engine.storage.url} was not written by accelerate_ckpt "
-                "(no Accelerate state); restore it with the integration that wrote it")
+                "(no Accelerate state); restore it with the integration that wrote it (the model and "
+                "optimizers were already replayed and must be restored again)")
         if len(ours["schedulers"]) != len(acc._schedulers):
             raise IncompatibleCheckpointError(
                 f"the checkpoint has {len(ours['schedulers'])} LR schedulers, this run prepared "
@@ -367,6 +368,11 @@ class DiffCheckpointer:
             index = self._model_index(models)
             if index is not None and index < len(weights):
                 weights.pop(index)
+                with open(os.path.join(output_dir, "DIFFCKPT.txt"), "w") as f:
+                    f.write(f"The model weights of this checkpoint are step {self.step} of the diffckpt run "
+                            f"{self.url}.\nLoad it with accelerator.load_state() after creating a "
+                            "DiffCheckpointer for that run, or get the weights alone with\n"
+                            f"  diffckpt export {self.url} --step {self.step} -o model.safetensors\n")
             log.info("diffckpt: save_state at step %d references %s instead of writing the weights",
                      self.step, self.url)
 

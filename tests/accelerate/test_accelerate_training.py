@@ -145,6 +145,7 @@ def test_save_state_and_load_state_restore_through_replay(reference, tmp_path):
     files = sorted(os.listdir(saved))
     assert "custom_checkpoint_0.pkl" in files and "optimizer.bin" in files
     assert not [f for f in files if f.startswith(("model", "pytorch_model"))], files
+    assert f"step 5 of the diffckpt run {run}" in (saved / "DIFFCKPT.txt").read_text()
     assert any(b.step == 5 for b in RunStore(open_storage(str(run))).inventory().bases)
     log = _run("accum_clip", tmp_path / "loaded.pt", ["--dirpath", str(run), "--load-state", str(saved)])
     assert _resumed_from(log) == 5
