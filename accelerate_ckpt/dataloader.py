@@ -5,7 +5,10 @@ A prepared ``DataLoaderShard`` draws its order when an epoch's iterator takes it
 the sampler's permutation, all from generators that training keeps advancing. So a mid-epoch
 resume restores the generators *as they were at the start of that epoch*, lets
 ``accelerator.skip_first_batches`` draw the same order and drop the consumed batches without
-loading them, and only then restores each generator to where the record left it.
+loading them, and only then restores each generator to where the record left it. A loader
+prepared with ``use_stateful_dataloader=True`` draws its order differently from the plain loader
+``skip_first_batches`` builds, so it is fast-forwarded instead: the consumed batches are read
+again and dropped.
 """
 
 from __future__ import annotations
@@ -99,15 +102,31 @@ class TrackedDataLoader:
         self.owner._boundary()
         dl, resume, self.resume = self.dataloader, self.resume, None
         skip = 0
+        stateful = bool(getattr(dl, "use_stateful_dataloader", False))
         if resume is not None:
             pos = resume["position"]
+            if stateful and pos["iteration"] > 0:
+                # A stateful loader's first epoch reuses the iterator prepare() created; later
+                # epochs create theirs at the epoch start, drawing from the RNG. Drop the prepared
+                # one so that this epoch draws like the interrupted one did.
+                dl.load_state_dict({})
             dl.iteration = pos["iteration"]
             set_rng_state(resume["rng"])
             _set_epoch_start(dl, pos["epoch_start"])
             skip = int(pos["consumed"])
         self._iteration, self._consumed, self._epoch = int(dl.iteration), skip, _epoch_start(dl)
         self._active = True
-        if skip:
+        forwarded = skip and stateful
+        if forwarded:
+            # skip_first_batches builds a plain loader, which draws the order differently from a
+            # stateful one: read the consumed batches again and drop them.
+            it = iter(dl)
+            for _ in range(skip):
+                if next(it, _END) is _END:
+                    break
+            set_rng_state(resume["rng"])  # type: ignore[index]
+            first = next(it, _END)
+        elif skip:
             # The skipping loader draws the epoch's order at its first batch; the RNG continues
             # from the record only after that.
             it = iter(self.owner.accelerator.skip_first_batches(dl, skip))
@@ -122,7 +141,7 @@ class TrackedDataLoader:
             yield batch
             self.owner._boundary()
             batch = next(it, _END)
-        if skip:  # the skipping loader counted the epoch, not the original one
+        if skip and not forwarded:  # the skipping loader counted the epoch, not the original one
             dl.iteration = self._iteration + 1
         self._active = False
 

@@ -18,7 +18,7 @@ import signal
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DataLoaderConfiguration, set_seed
 from torch.utils.data import DataLoader, TensorDataset
 
 
@@ -54,10 +54,13 @@ def main() -> None:
     p.add_argument("--stop-at", type=int, help="stop the loop after this many optimizer steps")
     p.add_argument("--dump-steps", help="save model, optimizer and scheduler state after each step here")
     p.add_argument("--width", type=int, default=32)
+    p.add_argument("--stateful", action="store_true", help="use_stateful_dataloader=True")
     args = p.parse_args()
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.accum, mixed_precision=args.mp)
+    loaders = DataLoaderConfiguration(use_stateful_dataloader=args.stateful)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.accum, mixed_precision=args.mp,
+                              dataloader_config=loaders)
     set_seed(0)
     data = TensorDataset(torch.randn(args.samples, 16), torch.randint(0, 4, (args.samples,)))
     dl = DataLoader(data, batch_size=args.batch, shuffle=True)

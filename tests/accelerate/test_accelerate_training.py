@@ -32,11 +32,21 @@ def torchrun() -> list[str]:
             "--master_port", str(next(_port))]
 
 
-# name: (script arguments, processes, optimizer steps in the run)
+def accelerate_launch() -> list[str]:
+    """``accelerate launch`` with two processes on CPU (``--cpu`` would start only one; the
+    script creates ``Accelerator(cpu=True)``)."""
+    return [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", "--multi_gpu",
+            "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+            "--dynamo_backend", "no", "--main_process_port", str(next(_port))]
+
+
+# name: (script arguments, processes, optimizer steps in the run); two processes are launched
+# with torchrun, except "ddp_topk", which goes through `accelerate launch`
 CONFIGS = {
     "accum_clip": (["--accum", "2", "--clip", "1.0"], 1, 18),
     "bf16": (["--mp", "bf16", "--clip", "0.5"], 1, 36),
     "ddp": (["--accum", "2", "--clip", "1.0", "--epochs", "4"], 2, 12),
+    "stateful": (["--accum", "2", "--stateful"], 1, 18),  # use_stateful_dataloader=True
     "topk": (["--codec", "topk", "--clip", "1.0"], 1, 36),
     "ddp_topk": (["--codec", "topk", "--clip", "1.0", "--epochs", "4"], 2, 24),
     "ddp_powersgd": (["--codec", "powersgd", "--accum", "2", "--epochs", "4"], 2, 12),
@@ -45,7 +55,8 @@ CONFIGS = {
 
 def _run(config: str, out: Path, extra: list[str] = (), **kw) -> str:
     args, ranks, _ = CONFIGS[config]
-    rc, log = run_script(SCRIPT, [str(out), *args, *extra], prefix=torchrun() if ranks > 1 else None, **kw)
+    prefix = None if ranks == 1 else accelerate_launch() if config == "ddp_topk" else torchrun()
+    rc, log = run_script(SCRIPT, [str(out), *args, *extra], prefix=prefix, **kw)
     if kw.get("kill_at_step") is None:
         assert rc == 0, log[-3000:]
     else:
@@ -93,9 +104,19 @@ def _kill_and_resume(config: str, tmp_path: Path, reference) -> tuple[int, int, 
     return kill_at, resumed_from, log
 
 
-@pytest.mark.parametrize("config", ["accum_clip", "bf16", "ddp"])
+@pytest.mark.parametrize("config", ["accum_clip", "bf16", "ddp", "stateful"])
 def test_kill9_then_restore_last_is_bitwise_identical(config, reference, tmp_path):
     _kill_and_resume(config, tmp_path, reference)
+
+
+def test_stateful_loader_resumes_exactly_at_an_epoch_end_and_in_a_later_epoch(reference, tmp_path):
+    """A stateful loader's first epoch reuses the iterator prepare() made, later ones draw anew:
+    resuming at the end of epoch 0 (step 6) and inside epoch 1 (step 8) must both match."""
+    run = tmp_path / "run"
+    _run("stateful", tmp_path / "full.pt", ["--dirpath", str(run)])
+    for step in (6, 8):
+        _run("stateful", tmp_path / f"from{step}.pt", ["--dirpath", str(run), "--resume", str(step)])
+        assert_bitwise_equal(reference("stateful")[0], _load(tmp_path / f"from{step}.pt", 1)[0], f"from {step}")
 
 
 @pytest.mark.parametrize("config", ["topk", "ddp_topk", "ddp_powersgd"])
