@@ -18,7 +18,7 @@ import logging
 import os
 import signal
 import threading
-from types import FrameType
+from types import FrameType, TracebackType
 from typing import Any
 
 import accelerate
@@ -33,13 +33,12 @@ from diffckpt.rng import get_rng_state, set_rng_state
 
 from .compression import GradientCompression
 from .dataloader import TrackedDataLoader
+from .save_state import SaveStateHooks
 from .support import check_supported, prepared_model
 
 __all__ = ["DiffCheckpointer"]
 
 log = logging.getLogger("diffckpt")
-
-_REFERENCE = "diffckpt-reference"
 
 
 class DiffCheckpointer:
@@ -98,9 +97,7 @@ class DiffCheckpointer:
             self._wrap_optimizer(po)
         for sched in accelerator._schedulers:
             self._wrap_scheduler(sched)
-        self._handles = [accelerator.register_save_state_pre_hook(self._on_save_state),
-                         accelerator.register_load_state_pre_hook(self._on_load_state)]
-        accelerator.register_for_checkpointing(self)
+        self._save_state = SaveStateHooks(self)
         self._prev_sigterm: Any = None
         if threading.current_thread() is threading.main_thread():
             self._prev_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -337,19 +334,9 @@ class DiffCheckpointer:
             set_rng_state(mine["rng"])
 
     # ------------------------------------------------- accelerator.save_state / load_state
-    def state_dict(self) -> dict[str, Any]:
-        """A reference to the current step, which Accelerate stores with ``save_state``."""
-        return {"format": _REFERENCE, "url": self.url, "step": self.step}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Called by ``load_state`` last; the restore itself happened in its pre-hook."""
-        if not isinstance(state, dict) or state.get("format") != _REFERENCE:
-            raise IncompatibleCheckpointError(
-                "the checkpoint directory holds another object where the DiffCheckpointer's reference "
-                "belongs; register objects for checkpointing in the same order as when it was saved")
-
-    def _on_save_state(self, models: list[Any], weights: list[dict[str, Any]], output_dir: str) -> None:
-        # The current step becomes a durable base; the model weights then need not be written.
+    def base_now(self) -> int | None:
+        """Make the current step a base and wait until it is durable (every rank calls this);
+        return the durable step on the writer, ``None`` elsewhere."""
         if not self._started:
             self._start()
         elif self.step > self._recorded:
@@ -361,47 +348,16 @@ class DiffCheckpointer:
                 self._write_base(self.step, state, codec_states)
             else:
                 self.engine.follow(self.step, True)
-        if not self.is_writer:
-            return
-        durable = self.engine.flush()
-        if durable is not None and durable >= self.step:
-            index = self._model_index(models)
-            if index is not None and index < len(weights):
-                weights.pop(index)
-                with open(os.path.join(output_dir, "DIFFCKPT.txt"), "w") as f:
-                    f.write(f"The model weights of this checkpoint are step {self.step} of the diffckpt run "
-                            f"{self.url}.\nLoad it with accelerator.load_state() after creating a "
-                            "DiffCheckpointer for that run, or get the weights alone with\n"
-                            f"  diffckpt export {self.url} --step {self.step} -o model.safetensors\n")
-            log.info("diffckpt: save_state at step %d references %s instead of writing the weights",
-                     self.step, self.url)
+        return self.engine.flush() if self.is_writer else None
 
-    def _on_load_state(self, models: list[Any], input_dir: str) -> None:
-        ref = self._read_reference(input_dir)
-        if ref is None:
-            return
+    def restore_reference(self, url: str, step: int) -> int:
+        """Restore ``step`` of the run at ``url`` (this run root or another one)."""
         if self._started:
             raise DiffCkptError("load_state() must be called before training starts when the "
                                 "checkpoint was saved with a DiffCheckpointer")
-        url = ref["url"]
         engine = self.engine if url.rstrip("/") == self.url.rstrip("/") else CheckpointEngine(
             url, storage_options=self.storage_options)
-        self._restore_from(engine, int(ref["step"]))
-        index = self._model_index(models)
-        if index is not None:
-            models.pop(index)  # restored by replay; Accelerate must not look for its weights
-
-    def _read_reference(self, input_dir: str) -> dict[str, Any] | None:
-        index = next(i for i, obj in enumerate(self.accelerator._custom_objects) if obj is self)
-        path = os.path.join(input_dir, f"custom_checkpoint_{index}.pkl")
-        if not os.path.exists(path):
-            return None
-        ref = torch.load(path, weights_only=True)
-        return ref if isinstance(ref, dict) and ref.get("format") == _REFERENCE else None
-
-    def _model_index(self, models: list[Any]) -> int | None:
-        unwrap = self.accelerator.unwrap_model
-        return next((i for i, m in enumerate(models) if unwrap(m, keep_torch_compile=False) is self.module), None)
+        return self._restore_from(engine, step)
 
     # ---------------------------------------------------------------- shutdown
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
@@ -442,8 +398,7 @@ class DiffCheckpointer:
                 self._commit(force_state=True)
         finally:
             self._closed = True
-            for handle in self._handles:
-                handle.remove()
+            self._save_state.remove()
             if self._prev_sigterm is not None and threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGTERM, self._prev_sigterm)
         if self.engine.started:
@@ -452,15 +407,16 @@ class DiffCheckpointer:
                                                            reason, self.durable_step, self.url)
         return self.durable_step
 
-    def __enter__(self) -> DiffCheckpointer:
+    def __enter__(self) -> DiffCheckpointer:  # noqa: PYI034 (Python 3.10 has no typing.Self)
         return self
 
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         if exc is None:
             self.close()
             return
         try:
-            self.close(reason=f"interrupted by {exc_type.__name__}", timeout=self.options.flush_timeout_s,
+            self.close(reason=f"interrupted by {type(exc).__name__}", timeout=self.options.flush_timeout_s,
                        record=self.accelerator.num_processes == 1)
         except Exception:  # the original exception is what the user must see
-            log.exception("diffckpt: flushing after %s failed too", exc_type.__name__)
+            log.exception("diffckpt: flushing after %s failed too", type(exc).__name__)

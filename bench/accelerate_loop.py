@@ -157,8 +157,8 @@ def main() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
     n_params = sum(p.numel() for p in GPT(args.size).parameters())
     info = [*header(f"accelerate {accelerate.__version__}"),
-            f"- model: GPT '{args.size}' as a plain module, {n_params / 1e6:.2f}M parameters (fp32), AdamW, "
-            "LambdaLR warm-up, clipping; one process",
+            (f"- model: GPT '{args.size}' as a plain module, {n_params / 1e6:.2f}M parameters (fp32), AdamW, "
+             "LambdaLR warm-up, clipping; one process"),
             f"- {args.steps} optimizer steps per run, first {args.warmup} untimed; {args.rounds} interleaved rounds"]
     run_once("none", args, args.warmup + 2)  # warm the process up
     results: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}

@@ -197,10 +197,10 @@ def demo(args: argparse.Namespace) -> int:
         rows = [("reference", f"{ref['SECONDS']:.1f} s, loss {losses[1]:.2f} -> {losses[total]:.2f}"),
                 ("killed with SIGKILL after step", str(crashed["killed_at"])),
                 ("resumed from step (newest durable)", str(resumed["START"])),
-                ("on storage", f"{bases / 1e6:.2f} MB in {len(inv.bases)} bases + {diffs / 1e6:.2f} MB "
-                               f"of diffs in {len(inv.segments)} segments"),
-                ("diff bytes per step", f"{diffs / steps / 1e3:.1f} kB ({100 * diffs / steps / full:.1f}% of "
-                                        f"a {full / 1e6:.2f} MB model + optimizer checkpoint)"),
+                ("on storage", (f"{bases / 1e6:.2f} MB in {len(inv.bases)} bases + {diffs / 1e6:.2f} MB "
+                                f"of diffs in {len(inv.segments)} segments")),
+                ("diff bytes per step", (f"{diffs / steps / 1e3:.1f} kB ({100 * diffs / steps / full:.1f}% of "
+                                         f"a {full / 1e6:.2f} MB model + optimizer checkpoint)")),
                 ("tensors compared with torch.equal", str(tensors))]
         for label, value in rows:
             print(f"  {label:<36}  {value}")

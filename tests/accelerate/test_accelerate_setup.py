@@ -7,7 +7,12 @@ import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
-from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs, DistributedType, ProjectConfiguration
+from accelerate.utils import (
+    DDPCommunicationHookType,
+    DistributedDataParallelKwargs,
+    DistributedType,
+    ProjectConfiguration,
+)
 from helpers import run_script
 from test_accelerate_training import SCRIPT, torchrun
 from torch.utils.data import DataLoader, TensorDataset
