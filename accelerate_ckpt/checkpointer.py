@@ -14,6 +14,7 @@ scaler, Accelerate's step counter, and every rank's RNG and data position.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -25,6 +26,7 @@ import accelerate
 import torch
 from accelerate import Accelerator
 
+from diffckpt.capture import check_replayable
 from diffckpt.codecs import Codec
 from diffckpt.engine import CheckpointEngine
 from diffckpt.errors import CheckpointNotFoundError, DiffCkptError, IncompatibleCheckpointError
@@ -82,9 +84,11 @@ class DiffCheckpointer:
             raise DiffCkptError("no optimizer was prepared: call accelerator.prepare(model, optimizer, "
                                 "...) before creating the DiffCheckpointer")
         self.optimizers = [po.optimizer for po in self._prepared]
-        self.engine = CheckpointEngine(self.url, self.options, self.storage_options)
+        for opt in self.optimizers:  # on every process, before anything is written
+            check_replayable(opt)
         self.compression = None if codec is None else GradientCompression(
             accelerator, codec, prepared, self.options.fingerprint_every_n_steps or 50)
+        self.engine = CheckpointEngine(self.url, self.options, self.storage_options)
         self.step = 0  # optimizer steps attempted (synced ``step()`` calls, skipped ones included)
         self.durable_step: int | None = None
         self.received_sigterm = False
@@ -93,13 +97,15 @@ class DiffCheckpointer:
         self._restored: tuple[int, Any] | None = None
         self._started = self._closed = False
         self._recorded = self._state_step = self._base_step = -1
+        self._saving = False  # inside accelerator.save_state(), which counts the save after the hook
         for po in self._prepared:
             self._wrap_optimizer(po)
         for sched in accelerator._schedulers:
             self._wrap_scheduler(sched)
         self._save_state = SaveStateHooks(self)
         self._prev_sigterm: Any = None
-        if threading.current_thread() is threading.main_thread():
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN):  # an ignored SIGTERM stays so
             self._prev_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
 
     # ------------------------------------------------------------------ identity
@@ -154,7 +160,8 @@ class DiffCheckpointer:
                 self._start()
             result = step(*args, **kwargs)
             self.step += 1
-            if not self._loaders and not self.accelerator._schedulers:
+            # A loop without a tracked loader or scheduler commits after its last optimizer.
+            if not self._loaders and not self.accelerator._schedulers and po is self._prepared[-1]:
                 self._boundary()
             return result
 
@@ -237,7 +244,7 @@ class DiffCheckpointer:
             return None
         return {"accelerate": {"step": acc.step, "schedulers": [s.state_dict() for s in acc._schedulers],
                                "scaler": None if acc.scaler is None else acc.scaler.state_dict(),
-                               "project_iteration": acc.project_configuration.iteration},
+                               "project_iteration": acc.project_configuration.iteration + self._saving},
                 "ranks": ranks, "world_size": acc.num_processes}
 
     def _codec_states(self) -> list[dict[str, Any]] | None:
@@ -271,14 +278,36 @@ class DiffCheckpointer:
             raise DiffCkptError("restore() must be called before training starts (before the first "
                                 "batch or optimizer step after DiffCheckpointer was created)")
         if step in ("last", None):
-            if not self.engine.store.is_run():
-                log.info("diffckpt: nothing to restore under %s; starting at step 0", self.url)
-                return 0
             target = None
         elif isinstance(step, int) and not isinstance(step, bool):
             target = step
         else:
             raise ValueError(f"step must be 'last' or a step number, got {step!r}")
+        if self.accelerator.num_processes == 1:
+            return self._restore_target(target) or 0
+        # Every process must restore the same step (DDP does not broadcast parameters again), so
+        # process 0 resolves "last", falling back over damage, and the others follow.
+        decided: list[Any] = [None]
+        if self.is_writer:
+            try:
+                decided[0] = ("step", self._restore_target(target))
+            except BaseException as exc:
+                decided[0] = ("error", f"{type(exc).__name__}: {exc}")
+                torch.distributed.broadcast_object_list(decided, src=0)
+                raise
+        torch.distributed.broadcast_object_list(decided, src=0)
+        kind, value = decided[0]
+        if kind == "error":
+            raise DiffCkptError(f"restore failed on process 0 ({value}); no process was restored there")
+        if value is None:  # nothing to restore
+            return 0
+        return value if self.is_writer else self._restore_from(self.engine, value)
+
+    def _restore_target(self, target: int | None) -> int | None:
+        """Restore ``target`` (``None``: newest durable); ``None`` when "last" finds nothing."""
+        if target is None and not self.engine.store.is_run():
+            log.info("diffckpt: nothing to restore under %s; starting at step 0", self.url)
+            return None
         try:
             return self._restore_from(self.engine, target)
         except CheckpointNotFoundError:
@@ -286,12 +315,13 @@ class DiffCheckpointer:
                 raise
             log.warning("diffckpt: %s holds no durable step yet (the run was stopped before its first "
                         "base was written); starting at step 0", self.url)
-            return 0
+            return None
 
     def _restore_from(self, engine: CheckpointEngine, step: int | None) -> int:
         acc = self.accelerator
-        result = engine.restore(self.module, self.optimizers, step, compressor=self.compressor,
-                                rank=acc.process_index)
+        with self.compression.paused() if self.compression else contextlib.nullcontext():
+            result = engine.restore(self.module, self.optimizers, step, compressor=self.compressor,
+                                    rank=acc.process_index)
         state = result.state
         ours = state.get("accelerate") if isinstance(state, dict) else None
         if ours is None:
@@ -335,20 +365,31 @@ class DiffCheckpointer:
 
     # ------------------------------------------------- accelerator.save_state / load_state
     def base_now(self) -> int | None:
-        """Make the current step a base and wait until it is durable (every rank calls this);
-        return the durable step on the writer, ``None`` elsewhere."""
+        """For ``save_state``: make the current step a base and wait until it is durable (every
+        rank calls this); return the durable step on the writer, ``None`` elsewhere."""
+        self._saving = True
+        try:
+            self._restorable_now(base=True)
+        finally:
+            self._saving = False
+        return self.engine.flush() if self.is_writer else None
+
+    def _restorable_now(self, base: bool) -> None:
+        """Make the current step restorable (and a base if ``base``); every rank calls this."""
         if not self._started:
-            self._start()
-        elif self.step > self._recorded:
-            self._commit(force_base=True)
-        elif self._base_step != self.step:
+            if base:
+                self._start()
+            return
+        if self.step > self._recorded:
+            self._commit(force_state=True, force_base=base)
+        elif self._state_step != self.step or (base and self._base_step != self.step):
+            # Recorded already, without state (every_n_steps > 1): a base carries the state.
             state, codec_states = self._take_state(), self._codec_states()
             self._base_step = self._state_step = self.step
             if self.is_writer:
                 self._write_base(self.step, state, codec_states)
             else:
                 self.engine.follow(self.step, True)
-        return self.engine.flush() if self.is_writer else None
 
     def restore_reference(self, url: str, step: int) -> int:
         """Restore ``step`` of the run at ``url`` (this run root or another one)."""
@@ -367,17 +408,17 @@ class DiffCheckpointer:
     def _stop_requested(self) -> bool:
         stop = self.received_sigterm
         if self.accelerator.num_processes > 1:  # every rank stops at the same step
-            flag = torch.tensor([int(stop)])
+            flag = torch.tensor([int(stop)], device=self.accelerator.device)  # NCCL wants CUDA
             torch.distributed.all_reduce(flag)
             stop = bool(flag.item())
         return stop
 
     def _stop(self) -> None:
+        previous = self._prev_sigterm
         self.close(reason="stopped by SIGTERM", timeout=self.options.flush_timeout_s)
-        if callable(self._prev_sigterm):
-            self._prev_sigterm(signal.SIGTERM, None)
-        if self._prev_sigterm != signal.SIG_IGN:
-            raise SystemExit(128 + signal.SIGTERM)
+        if callable(previous):  # the handler SIGTERM had before us, then exit if it did not
+            previous(signal.SIGTERM, None)
+        raise SystemExit(128 + signal.SIGTERM)
 
     def close(self, reason: str = "end of training", timeout: float | None = None,
               record: bool = True) -> int | None:
@@ -388,23 +429,24 @@ class DiffCheckpointer:
             reason: said in the log line that reports how far durability got.
             timeout: give up the flush after this many seconds (``None``: wait as
                 ``on_storage_error`` says); the log then says which steps were lost.
-            record: ``False`` flushes only what is already recorded (after an exception, when
-                the other processes may not reach this point).
+            record: ``False`` flushes only what is already recorded (after an exception: the
+                step in progress may be half done, and other processes may not get here).
         """
         if self._closed:
             return self.durable_step
         try:
-            if record and self._started and self.step > self._recorded:
-                self._commit(force_state=True)
+            if record:
+                self._restorable_now(base=False)
         finally:
             self._closed = True
             self._save_state.remove()
             if self._prev_sigterm is not None and threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGTERM, self._prev_sigterm)
-        if self.engine.started:
-            self.durable_step = self.engine.close(timeout)
-            (log.info if timeout is None else log.warning)("diffckpt: %s; durable up to step %s in %s",
-                                                           reason, self.durable_step, self.url)
+                self._prev_sigterm = None
+            if self.engine.started:  # also when recording failed: what is queued still gets written
+                self.durable_step = self.engine.close(timeout)
+                (log.info if timeout is None else log.warning)(
+                    "diffckpt: %s; durable up to step %s in %s", reason, self.durable_step, self.url)
         return self.durable_step
 
     def __enter__(self) -> DiffCheckpointer:  # noqa: PYI034 (Python 3.10 has no typing.Self)
@@ -417,6 +459,6 @@ class DiffCheckpointer:
             return
         try:
             self.close(reason=f"interrupted by {type(exc).__name__}", timeout=self.options.flush_timeout_s,
-                       record=self.accelerator.num_processes == 1)
+                       record=False)
         except Exception:  # the original exception is what the user must see
             log.exception("diffckpt: flushing after %s failed too", type(exc).__name__)

@@ -34,6 +34,7 @@ class SaveStateHooks:
 
     def __init__(self, owner: DiffCheckpointer) -> None:
         self.owner = owner
+        self.referenced: int | None = None  # the step the last save_state made durable
         acc = owner.accelerator
         self._handles = [acc.register_save_state_pre_hook(self._on_save),
                          acc.register_load_state_pre_hook(self._on_load)]
@@ -46,7 +47,8 @@ class SaveStateHooks:
 
     # what Accelerate stores in custom_checkpoint_<i>.pkl
     def state_dict(self) -> dict[str, Any]:
-        return {"format": _REFERENCE, "url": self.owner.url, "step": self.owner.step}
+        # Only a durable step is referenced; otherwise Accelerate's own files hold the weights.
+        return {"format": _REFERENCE, "url": self.owner.url, "step": self.referenced}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         # Called by load_state last; the restore itself happened in the pre-hook.
@@ -58,12 +60,14 @@ class SaveStateHooks:
     def _on_save(self, models: list[Any], weights: list[dict[str, Any]], output_dir: str) -> None:
         owner = self.owner
         durable = owner.base_now()
+        self.referenced = None
         if durable is None or durable < owner.step:
             return
         index = self._model_index(models)
         if index is None or index >= len(weights):
             return
         weights.pop(index)  # the base just made durable holds them
+        self.referenced = owner.step
         with open(os.path.join(output_dir, NOTE), "w") as f:
             f.write(f"The model weights of this checkpoint are step {owner.step} of the diffckpt run "
                     f"{owner.url}.\nLoad it with accelerator.load_state() after creating a "
@@ -74,7 +78,7 @@ class SaveStateHooks:
 
     def _on_load(self, models: list[Any], input_dir: str) -> None:
         ref = self._read_reference(input_dir)
-        if ref is None:
+        if ref is None or ref.get("step") is None:  # saved with the weights: Accelerate loads them
             return
         self.owner.restore_reference(ref["url"], int(ref["step"]))
         index = self._model_index(models)

@@ -50,6 +50,11 @@ def check_supported(accelerator: Accelerator, url: str) -> None:
             "would train alone and write the same run root. Create Accelerator(cpu=True) or set "
             "ACCELERATE_USE_CPU=1 (note: `accelerate launch --cpu` starts one process; use "
             "`accelerate launch --multi_gpu --num_processes N` or torchrun)")
+    if accelerator.num_processes > 1 and not accelerator.even_batches:
+        raise UnsupportedConfigurationError(
+            "DataLoaderConfiguration(even_batches=False) lets processes run different numbers of "
+            "batches, but every process records each step together with the others (they gather "
+            "their RNG and data positions); keep even_batches=True (the default)")
     if accelerator.num_processes > 1 and url.startswith("memory://"):
         raise UnsupportedConfigurationError(
             "memory:// is private to each process, but every process of a multi-process run "

@@ -68,6 +68,7 @@ def train(args: argparse.Namespace) -> None:
     from accelerate.utils import set_seed
 
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2, mixed_precision="bf16")
+    print(f"PID {os.getpid()}", flush=True)  # every process: the demo kills them all
     set_seed(0)
     loader = torch.utils.data.DataLoader(dataset(), batch_size=16, shuffle=True)
     model = TinyLM()
@@ -140,16 +141,22 @@ def spawn(args: argparse.Namespace, out: str, run_dir: str | None, log) -> subpr
 
 
 def watch(proc: subprocess.Popen, kill_at: int | None = None) -> dict:
-    seen: dict = {"losses": {}}
+    seen: dict = {"losses": {}, "pids": []}
     for line in proc.stdout:
         key, _, rest = line.strip().partition(" ")
         if key == "STEP":
             step, loss = rest.split()
             seen["losses"][int(step)] = float(loss)
             if kill_at is not None and int(step) >= kill_at:
+                # torchrun starts its workers in sessions of their own: kill each one, then the
+                # launcher's group.
+                for pid in seen["pids"]:
+                    os.kill(pid, signal.SIGKILL)
                 os.killpg(proc.pid, signal.SIGKILL)
                 seen["killed_at"] = int(step)
                 break
+        elif key == "PID":
+            seen["pids"].append(int(rest))
         elif key in ("START", "TOTAL", "FULL_BYTES"):
             seen[key] = int(rest)
         elif key == "SECONDS":

@@ -33,6 +33,43 @@ def script_env(overrides: dict[str, str | None] | None = None) -> dict[str, str]
     return env
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, found through ``/proc`` (Linux)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``'s process group and every process below it. Launchers such as torchrun
+    start their workers in sessions of their own, so killing the group alone would leave the
+    training processes running."""
+    below = descendants(pid)
+    for target in [pid, *below]:
+        try:
+            os.kill(target, signal.SIGSTOP)  # freeze first: nothing may run on while we kill
+        except ProcessLookupError:
+            pass
+    os.killpg(pid, signal.SIGKILL)
+    for target in below:
+        try:
+            os.kill(target, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def run_script(script: str, args: list[str], kill_at_step: int | None = None, timeout: float = 300,
                prefix: list[str] | None = None, env: dict[str, str | None] | None = None
                ) -> tuple[int, str]:
@@ -48,7 +85,7 @@ def run_script(script: str, args: list[str], kill_at_step: int | None = None, ti
     for line in proc.stdout:
         lines.append(line)
         if kill_at_step is not None and line.startswith("STEP ") and int(line.split()[1]) >= kill_at_step:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)
             break
     proc.stdout.close()
     rc = proc.wait(timeout=timeout)

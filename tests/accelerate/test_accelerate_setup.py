@@ -3,6 +3,8 @@ and what ``restore`` does on an empty run root or for a step that is not there."
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from accelerate import Accelerator
@@ -127,3 +129,55 @@ def test_memory_storage_with_several_processes_is_refused(tmp_path):
     rc, log = run_script(SCRIPT, [str(tmp_path / "x.pt"), "--dirpath", "memory://run"], prefix=torchrun())
     assert rc != 0 and "memory:// is private to each process" in log, log[-2000:]
 
+
+
+def _train(acc, model, opt, loader, steps):
+    for i, (x, y) in enumerate(loader):
+        if i == steps:
+            break  # the request for this batch was a boundary: the last step is recorded
+        acc.backward(torch.nn.functional.mse_loss(model(x), y))
+        opt.step()
+        opt.zero_grad()
+
+
+def test_close_makes_the_last_step_restorable_with_every_n_steps(accelerator_factory, tmp_path):
+    """Step 3 is recorded without state (every_n_steps=2) when the next batch is requested;
+    close() then writes a base at it, so the last step is restorable."""
+    acc = accelerator_factory()
+    model, opt, dl = _prepare(acc)
+    with DiffCheckpointer(acc, tmp_path / "run", every_n_steps=2, write_batch=1) as ckpt:
+        _train(acc, model, opt, ckpt.dataloader(dl), 3)
+    trained = {k: v.clone() for k, v in model.state_dict().items()}
+    assert ckpt.durable_step == 3
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    again = DiffCheckpointer(acc, tmp_path / "run")
+    assert again.restore("last") == 3
+    assert all(torch.equal(trained[k], v) for k, v in model.state_dict().items())
+    again.close()
+
+
+def test_load_state_of_an_automatically_named_save_continues_the_numbering(accelerator_factory, tmp_path):
+    """save_state writes checkpoints/checkpoint_0 without the weights; load_state replays them and
+    sets the save counter, so the next automatic save_state is checkpoint_1."""
+    config = {"project_config": ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True)}
+    acc = accelerator_factory(**config)
+    model, opt, dl = _prepare(acc)
+    with DiffCheckpointer(acc, tmp_path / "diffckpt", write_batch=1) as ckpt:
+        _train(acc, model, opt, ckpt.dataloader(dl), 2)
+        acc.save_state()
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+        _train(acc, model, opt, ckpt.dataloader(dl), 1)
+    checkpoint = tmp_path / "checkpoints" / "checkpoint_0"
+    assert "DIFFCKPT.txt" in os.listdir(checkpoint) and "model.safetensors" not in os.listdir(checkpoint)
+    AcceleratorState._reset_state(True)
+    acc = accelerator_factory(**config)
+    model, opt, dl = _prepare(acc)
+    ckpt = DiffCheckpointer(acc, tmp_path / "diffckpt")
+    acc.load_state(str(checkpoint))
+    assert ckpt.step == 2 and acc.project_configuration.iteration == 1
+    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+    acc.save_state()
+    assert (tmp_path / "checkpoints" / "checkpoint_1").is_dir()
+    ckpt.close()

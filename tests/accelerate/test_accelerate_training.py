@@ -48,6 +48,7 @@ CONFIGS = {
     "ddp": (["--accum", "2", "--clip", "1.0", "--epochs", "4"], 2, 12),
     "stateful": (["--accum", "2", "--stateful"], 1, 18),  # use_stateful_dataloader=True
     "topk": (["--codec", "topk", "--clip", "1.0"], 1, 36),
+    "powersgd": (["--codec", "powersgd", "--clip", "1.0"], 1, 36),
     "ddp_topk": (["--codec", "topk", "--clip", "1.0", "--epochs", "4"], 2, 24),
     "ddp_powersgd": (["--codec", "powersgd", "--accum", "2", "--epochs", "4"], 2, 12),
 }
@@ -119,7 +120,7 @@ def test_stateful_loader_resumes_exactly_at_an_epoch_end_and_in_a_later_epoch(re
         assert_bitwise_equal(reference("stateful")[0], _load(tmp_path / f"from{step}.pt", 1)[0], f"from {step}")
 
 
-@pytest.mark.parametrize("config", ["topk", "ddp_topk", "ddp_powersgd"])
+@pytest.mark.parametrize("config", ["topk", "powersgd", "ddp_topk", "ddp_powersgd"])
 def test_compressed_kill9_then_restore_last_is_bitwise_identical(config, reference, tmp_path):
     """The reference trains with accelerate_ckpt.GradientCompression and no checkpoints."""
     _kill_and_resume(config, tmp_path, reference)
