@@ -14,7 +14,6 @@ scaler, Accelerate's step counter, and every rank's RNG and data position.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
@@ -319,9 +318,8 @@ class DiffCheckpointer:
 
     def _restore_from(self, engine: CheckpointEngine, step: int | None) -> int:
         acc = self.accelerator
-        with self.compression.paused() if self.compression else contextlib.nullcontext():
-            result = engine.restore(self.module, self.optimizers, step, compressor=self.compressor,
-                                    rank=acc.process_index)
+        result = engine.restore(self.module, self.optimizers, step, compressor=self.compressor,
+                                rank=acc.process_index)
         state = result.state
         ours = state.get("accelerate") if isinstance(state, dict) else None
         if ours is None:

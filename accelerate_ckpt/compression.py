@@ -9,8 +9,6 @@ step consumes and no clipping needs recording.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -57,7 +55,6 @@ class GradientCompression:
                 "consumes. Use mixed_precision='bf16' (no loss scaling) or drop codec=")
         prepared = prepared_model(accelerator, model)
         self.accelerator = accelerator
-        self._paused = False
         self.compressor = GradientCompressor(
             codec, accelerator.unwrap_model(prepared, keep_torch_compile=False), check_every)
         if isinstance(prepared, DistributedDataParallel):
@@ -74,17 +71,8 @@ class GradientCompression:
             self._after_each_step(po)
 
     def _compress(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if not self._paused:
-            self.compressor.compress_(p for group in optimizer.param_groups for p in group["params"])
-
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """Leave optimizer steps alone inside this block (replay steps on recorded gradients)."""
-        self._paused, before = True, self._paused
-        try:
-            yield
-        finally:
-            self._paused = before
+        # compress_ does nothing while the engine replays (the compressor is paused then).
+        self.compressor.compress_(p for group in optimizer.param_groups for p in group["params"])
 
     def _watch_clipping(self) -> None:
         """Note each clipping Accelerate applies after the communication hook, for replay."""

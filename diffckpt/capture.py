@@ -8,14 +8,14 @@ Encoding, compression and I/O happen in the background writer.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from .compression import GradientCompressor
 from .errors import UnsupportedConfigurationError
+from .pausable import Pausable
 
 __all__ = ["StepCapture", "clone_tree", "fingerprint", "group_hyperparams", "tree_nbytes"]
 
@@ -79,7 +79,7 @@ def check_replayable(optimizer: torch.optim.Optimizer) -> None:
             "inside step(); diffckpt does not replay fused steps yet. Use foreach=True or the default")
 
 
-class StepCapture:
+class StepCapture(Pausable):
     """Records, per optimizer step, the hyperparameters in force and a copy of every gradient,
     or, with a ``compressor``, the payloads the gradients were decoded from."""
 
@@ -122,15 +122,6 @@ class StepCapture:
         """Return the steps captured since the last call."""
         events, self._events = self._events, []
         return events
-
-    @contextmanager
-    def paused(self) -> Iterator[None]:
-        """Ignore optimizer steps inside this block (replay, for instance)."""
-        self._paused, before = True, self._paused
-        try:
-            yield
-        finally:
-            self._paused = before
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from .codecs import Codec, Payload
+from .pausable import Pausable
 
 __all__ = ["GradientCompressor", "check_codec", "clip_gradients"]
 
@@ -57,7 +58,7 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
-class GradientCompressor:
+class GradientCompressor(Pausable):
     """Applies ``codec`` to a model's gradients and keeps each step's payloads for its diff.
 
     Args:
@@ -102,8 +103,11 @@ class GradientCompressor:
     def compress_(self, params: Iterable[torch.Tensor]) -> None:
         """Single process: replace each gradient of ``params`` by its compressed-and-decoded value.
 
-        Call after backward (and unscaling), before clipping and ``optimizer.step()``.
+        Call after backward (and unscaling), before clipping and ``optimizer.step()``. Does
+        nothing while :meth:`paused` (replay steps on gradients that were decoded already).
         """
+        if self._paused:
+            return
         params = [p for p in params if p.grad is not None]
         payloads = self.codec.encode({self._key(p): p.grad for p in params}, None)
         for p in params:

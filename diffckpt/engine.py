@@ -229,7 +229,7 @@ class CheckpointEngine:
         """
         plan, info, base = self.store.open_plan(step)
         ctx = self.capture.paused() if self.capture else contextlib.nullcontext()
-        with ctx:
+        with ctx, compressor.paused() if compressor else contextlib.nullcontext():
             result = replay(self.store, plan, module, optimizers, verify=verify, loaded=(info, base))
         if compressor is not None:
             if result.codec_config != compressor.codec.config():  # another codec, or none, trained
