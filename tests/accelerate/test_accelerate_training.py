@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -215,3 +216,21 @@ def test_example_is_bit_exact(tmp_path):
     """examples/accelerate_train.py (one epoch): reference, SIGKILL, restore("last"), compare."""
     rc, log = run_script("examples/accelerate_train.py", ["--epochs", "1", "--seed", "3"])
     assert rc == 0 and "bit-exact: yes" in log, log[-3000:]
+
+
+def test_corrupt_newest_segment_falls_back_to_an_intact_step(full_run, tmp_path):
+    """A flipped byte in the newest segment: restore("last") warns, naming it, and restores the
+    newest step that can still be rebuilt, bitwise as it was trained."""
+    run = tmp_path / "run"
+    shutil.copytree(full_run / "run", run)
+    newest = max((run / "diffs").iterdir(), key=lambda p: int(p.name.split("-")[1].split(".")[0]))
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    log = _run("accum_clip", tmp_path / "at.pt", ["--dirpath", str(run), "--resume", "last", "--epochs", "0"])
+    step = _resumed_from(log)
+    assert 0 < step < 18 and newest.name in log, log[-2000:]
+    restored = _load(tmp_path / "at.pt", 1)[0]
+    dumped = torch.load(full_run / "dumps" / f"step{step}.pt", weights_only=False)
+    for key in ("model", "optimizer", "scheduler", "accelerator_step"):
+        assert_bitwise_equal(dumped[key], restored[key], key)
