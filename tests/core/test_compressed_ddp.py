@@ -52,6 +52,9 @@ def worker(rank: int, port: int, codec: str, root: str) -> None:
     if rank == 0:
         engine.close()
     torch.save({"model": module.state_dict(), "optimizer": opt.state_dict()}, f"{root}.rank{rank}.pt")
+    # Tear down together: a rank that destroys its group while the other is still flushing has
+    # been seen to abort in gloo ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 
