@@ -234,3 +234,19 @@ def test_corrupt_newest_segment_falls_back_to_an_intact_step(full_run, tmp_path)
     dumped = torch.load(full_run / "dumps" / f"step{step}.pt", weights_only=False)
     for key in ("model", "optimizer", "scheduler", "accelerator_step"):
         assert_bitwise_equal(dumped[key], restored[key], key)
+
+
+def test_untracked_loop_records_after_the_scheduler_steps(tmp_path):
+    """A loop iterating the prepared loader directly commits each step once the scheduler has
+    stepped; restore(N) then gives that step's model, optimizer, scheduler and counter."""
+    run, dumps = tmp_path / "run", tmp_path / "dumps"
+    dumps.mkdir()
+    _run("accum_clip", tmp_path / "full.pt", ["--dirpath", str(run), "--no-track", "--dump-steps", str(dumps)])
+    for step in (5, 18):
+        log = _run("accum_clip", tmp_path / f"at{step}.pt",
+                   ["--dirpath", str(run), "--no-track", "--resume", str(step), "--epochs", "0"])
+        assert _resumed_from(log) == step
+        restored = _load(tmp_path / f"at{step}.pt", 1)[0]
+        dumped = torch.load(dumps / f"step{step}.pt", weights_only=False)
+        for key in ("model", "optimizer", "scheduler", "accelerator_step"):
+            assert_bitwise_equal(dumped[key], restored[key], f"step {step} {key}")
