@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -218,11 +217,12 @@ def test_example_is_bit_exact(tmp_path):
     assert rc == 0 and "bit-exact: yes" in log, log[-3000:]
 
 
-def test_corrupt_newest_segment_falls_back_to_an_intact_step(full_run, tmp_path):
+def test_corrupt_newest_segment_falls_back_to_an_intact_step(tmp_path):
     """A flipped byte in the newest segment: restore("last") warns, naming it, and restores the
     newest step that can still be rebuilt, bitwise as it was trained."""
-    run = tmp_path / "run"
-    shutil.copytree(full_run / "run", run)
+    run, dumps = tmp_path / "run", tmp_path / "dumps"
+    dumps.mkdir()
+    _run("accum_clip", tmp_path / "full.pt", ["--dirpath", str(run), "--dump-steps", str(dumps)])
     newest = max((run / "diffs").iterdir(), key=lambda p: int(p.name.split("-")[1].split(".")[0]))
     data = bytearray(newest.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -231,7 +231,7 @@ def test_corrupt_newest_segment_falls_back_to_an_intact_step(full_run, tmp_path)
     step = _resumed_from(log)
     assert 0 < step < 18 and newest.name in log, log[-2000:]
     restored = _load(tmp_path / "at.pt", 1)[0]
-    dumped = torch.load(full_run / "dumps" / f"step{step}.pt", weights_only=False)
+    dumped = torch.load(dumps / f"step{step}.pt", weights_only=False)
     for key in ("model", "optimizer", "scheduler", "accelerator_step"):
         assert_bitwise_equal(dumped[key], restored[key], key)
 
