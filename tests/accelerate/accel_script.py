@@ -55,6 +55,9 @@ def main() -> None:
     p.add_argument("--dump-steps", help="save model, optimizer and scheduler state after each step here")
     p.add_argument("--width", type=int, default=32)
     p.add_argument("--stateful", action="store_true", help="use_stateful_dataloader=True")
+    p.add_argument("--scaler", action="store_true",
+                   help="fp16 loss scaling on CPU (Accelerate gives CPU no GradScaler): a real GradScaler "
+                        "whose large initial scale makes the first steps find infs and skip")
     args = p.parse_args()
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
@@ -64,6 +67,8 @@ def main() -> None:
     set_seed(0)
     data = TensorDataset(torch.randn(args.samples, 16), torch.randint(0, 4, (args.samples,)))
     dl = DataLoader(data, batch_size=args.batch, shuffle=True)
+    if args.scaler:
+        accelerator.scaler, accelerator.native_amp = torch.amp.GradScaler("cpu", init_scale=2.0**30), True
     model = Net(args.width)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.05 * s))

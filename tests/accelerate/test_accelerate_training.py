@@ -47,6 +47,7 @@ CONFIGS = {
     "bf16": (["--mp", "bf16", "--clip", "0.5"], 1, 36),
     "ddp": (["--accum", "2", "--clip", "1.0", "--epochs", "4"], 2, 12),
     "stateful": (["--accum", "2", "--stateful"], 1, 18),  # use_stateful_dataloader=True
+    "fp16_scaler": (["--mp", "fp16", "--scaler", "--clip", "1.0"], 1, 36),  # a GradScaler that skips
     "topk": (["--codec", "topk", "--clip", "1.0"], 1, 36),
     "powersgd": (["--codec", "powersgd", "--clip", "1.0"], 1, 36),
     "ddp_topk": (["--codec", "topk", "--clip", "1.0", "--epochs", "4"], 2, 24),
@@ -108,6 +109,22 @@ def _kill_and_resume(config: str, tmp_path: Path, reference) -> tuple[int, int, 
 @pytest.mark.parametrize("config", ["accum_clip", "bf16", "ddp", "stateful"])
 def test_kill9_then_restore_last_is_bitwise_identical(config, reference, tmp_path):
     _kill_and_resume(config, tmp_path, reference)
+
+
+def test_fp16_loss_scaling_with_skipped_steps(reference, tmp_path):
+    """A real GradScaler whose scale overflows skips steps (no optimizer update, scale halved);
+    they are recorded as skips, and a kill -9 resume is bitwise equal to the reference."""
+    _kill_and_resume("fp16_scaler", tmp_path, reference)
+    full = tmp_path / "full"  # an uninterrupted run: every step's record from one base
+    _run("fp16_scaler", tmp_path / "full.pt", ["--dirpath", str(full), "--base-every", "100"])
+    assert_bitwise_equal(reference("fp16_scaler")[0], _load(tmp_path / "full.pt", 1)[0])
+    store = RunStore(open_storage(str(full)))
+    records = [r for r, _ in store.read_records(store.plan()) if r]
+    assert len(records) == CONFIGS["fp16_scaler"][2]
+    skipped = [r["step"] for r in records if not r["events"]]
+    assert skipped and len(skipped) < len(records), skipped  # some steps skipped, some updated
+    scales = [r["state"]["accelerate"]["scaler"]["scale"] for r in records if r["state"]]
+    assert len(set(scales)) > 1  # the scale the skips halved travels with the records
 
 
 def test_stateful_loader_resumes_exactly_at_an_epoch_end_and_in_a_later_epoch(reference, tmp_path):
