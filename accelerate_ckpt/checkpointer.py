@@ -141,10 +141,7 @@ class DiffCheckpointer:
                                 "and generators are what a resume restores")
         if index not in self._loaders:
             tracked = TrackedDataLoader(self, dataloader, index)
-            if self._resume is not None:
-                pos = next((p for p in self._resume["loaders"] if p["index"] == index), None)
-                if pos is not None:
-                    tracked.resume = {"position": pos, "rng": self._resume["rng"]}
+            tracked.resume = self._resume_for(index)
             self._loaders[index] = tracked
         return self._loaders[index]
 
@@ -356,10 +353,16 @@ class DiffCheckpointer:
         """Hand this rank's RNG and data positions to the loops that continue from them."""
         self._resume = mine
         for tracked in self._loaders.values():
-            pos = next((p for p in mine["loaders"] if p["index"] == tracked.index), None)
-            tracked.resume = None if pos is None else {"position": pos, "rng": mine["rng"]}
+            tracked.resume = self._resume_for(tracked.index)
         if not mine["loaders"]:  # no loader to align the RNG with: it continues from here
             set_rng_state(mine["rng"])
+
+    def _resume_for(self, index: int) -> dict[str, Any] | None:
+        """What the loader at ``index`` of ``accelerator._dataloaders`` continues from, if anything."""
+        if self._resume is None:
+            return None
+        pos = next((p for p in self._resume["loaders"] if p["index"] == index), None)
+        return None if pos is None else {"position": pos, "rng": self._resume["rng"]}
 
     # ------------------------------------------------- accelerator.save_state / load_state
     def base_now(self) -> int | None:
