@@ -31,6 +31,7 @@ from diffckpt.engine import CheckpointEngine
 from diffckpt.errors import CheckpointNotFoundError, DiffCkptError, IncompatibleCheckpointError
 from diffckpt.options import CheckpointOptions
 from diffckpt.rng import get_rng_state, set_rng_state
+from diffckpt.tuning import tuning_metrics
 
 from .compression import GradientCompression
 from .dataloader import TrackedDataLoader
@@ -56,6 +57,9 @@ class DiffCheckpointer:
         every_n_steps: a restorable point every this many optimizer steps.
         write_batch: consecutive step records per segment (one write each).
         base_every_n_steps: a full base every this many steps, plus one when a session starts.
+            Each of the three may be ``"auto"``: the auto-tuner measures the run and picks it
+            for ``tuning=diffckpt.TuningOptions(mtbf_s=..., max_overhead=..., rto_s=...)``;
+            its decisions go to ``accelerator.log`` as ``diffckpt/*`` when trackers are set up.
         storage_options: fsspec options (credentials, endpoint).
         codec: compressed training (``diffckpt.codecs.TopK``, ``PowerSGD``, ``LowPrecision``),
             whose payloads are the diffs; see :class:`accelerate_ckpt.GradientCompression`.
@@ -67,7 +71,8 @@ class DiffCheckpointer:
     """
 
     def __init__(self, accelerator: Accelerator, dirpath: str | os.PathLike[str], *, model: Any = None,
-                 every_n_steps: int = 1, write_batch: int = 8, base_every_n_steps: int | None = 500,
+                 every_n_steps: int | str = 1, write_batch: int | str = 8,
+                 base_every_n_steps: int | str | None = 500,
                  storage_options: dict[str, Any] | None = None, codec: Codec | None = None,
                  **options: Any) -> None:
         self.url = os.fspath(dirpath)
@@ -197,7 +202,7 @@ class DiffCheckpointer:
         self._recorded = self._state_step = self._base_step = step
         self._restored = self._resume = None
         if not self.is_writer:
-            self.engine.follow(step, base=True)
+            self.engine.join(step)
             return
         acc = self.accelerator
         self.engine.start(self.module, self.optimizers, step, meta={
@@ -211,10 +216,13 @@ class DiffCheckpointer:
     def _commit(self, force_state: bool = False, force_base: bool = False) -> None:
         """Record the steps since the last record (every rank calls this: it gathers state)."""
         step, engine = self.step, self.engine
+        if engine.review_due(step):
+            self._review(step)
         wants_base = force_base or engine.wants_base(step)
         wants_state = force_state or wants_base or engine.wants_state(step)
-        state = self._take_state() if wants_state else None
-        codec_states = self._codec_states() if wants_base else None
+        with engine.measuring_state():
+            state = self._take_state() if wants_state else None
+            codec_states = self._codec_states() if wants_base else None
         self._recorded = step
         if wants_state:
             self._state_step = step
@@ -226,6 +234,18 @@ class DiffCheckpointer:
         engine.record_step(step, state)
         if wants_base:
             self._write_base(step, state, codec_states)
+
+    def _review(self, step: int) -> None:
+        """Let the auto-tuner review its settings: process 0 decides, every process adopts."""
+        engine = self.engine
+        decision = engine.review(step) if self.is_writer else None
+        if self.accelerator.num_processes > 1:
+            shared = [engine.settings if self.is_writer else None]
+            torch.distributed.broadcast_object_list(shared, src=0)
+            if not self.is_writer:
+                engine.adopt(shared[0], step)
+        if decision is not None and engine.last_review is not None and self.accelerator.trackers:
+            self.accelerator.log(tuning_metrics(*engine.last_review), step=step)
 
     def _write_base(self, step: int, state: Any, codec_states: list[dict[str, Any]] | None) -> None:
         self.engine.write_base(step, self.module.state_dict(), [o.state_dict() for o in self.optimizers],

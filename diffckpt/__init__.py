@@ -25,6 +25,7 @@ from .options import CheckpointOptions
 from .replay import ReplayResult
 from .retry import RetryPolicy
 from .storage import FsspecStorage, Storage, open_storage
+from .tuning import TuningOptions
 
 __version__ = "0.1.0"
 
@@ -44,6 +45,7 @@ __all__ = [
     "Storage",
     "StorageError",
     "StorageUnavailableError",
+    "TuningOptions",
     "UnsupportedConfigurationError",
     "load_state",
     "open_storage",

@@ -8,6 +8,7 @@ Encoding, compression and I/O happen in the background writer.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -91,6 +92,9 @@ class StepCapture(Pausable):
         self._events: list[dict[str, Any]] = []
         self._paused = False
         self._depth = [0] * len(self.optimizers)
+        self._update_start = 0.0
+        self.copy_s = 0.0  # time spent copying gradients since the last take()
+        self.update_s = 0.0  # time the optimizer updates took since the last take()
         self._handles = []
         for i, opt in enumerate(self.optimizers):
             self._handles.append(opt.register_step_pre_hook(self._make_pre_hook(i)))
@@ -99,7 +103,15 @@ class StepCapture(Pausable):
     def _make_pre_hook(self, index: int):
         def pre_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             self._depth[index] += 1
+            if self._depth[index] == 1:
+                self._update_start = time.perf_counter()
         return pre_hook
+
+    def mark_update_start(self) -> None:
+        """Say that the optimizer's update begins now: a step given a closure (Lightning) runs
+        forward and backward inside ``step()`` after the pre-hooks, and replay repeats only the
+        update."""
+        self._update_start = time.perf_counter()
 
     def _make_hook(self, index: int):
         def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -108,6 +120,8 @@ class StepCapture(Pausable):
             self._depth[index] = max(0, self._depth[index] - 1)
             if self._paused or self._depth[index]:
                 return
+            start = time.perf_counter()
+            self.update_s += start - self._update_start
             event: dict[str, Any] = {"optimizer": index, "groups": group_hyperparams(optimizer)}
             coded = self.compressor.consumed(optimizer) if self.compressor is not None else None
             if coded is not None:  # the payloads are fresh tensors: no copy needed
@@ -116,11 +130,13 @@ class StepCapture(Pausable):
                 event["grads"] = [[None if p.grad is None else p.grad.detach().clone() for p in g["params"]]
                                   for g in optimizer.param_groups]
             self._events.append(event)
+            self.copy_s += time.perf_counter() - start
         return hook
 
     def take(self) -> list[dict[str, Any]]:
-        """Return the steps captured since the last call."""
+        """Return the steps captured since the last call (and reset the timings)."""
         events, self._events = self._events, []
+        self.copy_s = self.update_s = 0.0
         return events
 
     def remove(self) -> None:

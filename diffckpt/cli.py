@@ -1,8 +1,10 @@
-"""The ``diffckpt`` command: inspect a run, verify every checksum, export a step.
+"""The ``diffckpt`` command: inspect a run, verify every checksum, export a step, plan settings.
 
 ``diffckpt ls URL`` lists sessions, bases and segments; ``diffckpt verify URL`` checks every
 object and replays a step; ``diffckpt export URL --step N -o FILE`` writes a plain checkpoint
-(Lightning ``.ckpt``, ``torch`` or safetensors). Exit codes: 0 success, 1 damage or a failed
+(Lightning ``.ckpt``, ``torch`` or safetensors); ``diffckpt tune URL --params N --step-time T``
+probes a storage location and recommends ``every_n_steps``, ``write_batch`` and
+``base_every_n_steps`` (see :mod:`diffckpt.advice`). Exit codes: 0 success, 1 damage or a failed
 operation, 2 usage errors and runs or steps that do not exist.
 """
 
@@ -24,6 +26,7 @@ import numpy as np
 import safetensors.torch
 import torch
 
+from . import advice
 from .codecs import codec_from_config
 from .errors import CheckpointNotFoundError, DiffCkptError, UnsupportedConfigurationError
 from .format import SegmentName, decode_segment
@@ -161,7 +164,7 @@ def _describe(store: RunStore, inv: Inventory) -> dict[str, Any]:
             "options": meta.get("options", {}), "optimizers": meta.get("optimizers", []),
             "framework": meta.get("framework"), "codec": meta.get("codec"), "durable": _durable(inv, gen),
             "newest_step": newest, "ckpt_path": None if newest is None else f"{url}/step={newest}",
-            "damaged": bool(meta.get("damaged"))})
+            "damaged": bool(meta.get("damaged")), "tuning": store.tuning_log(gen)})
     bases: list[dict[str, Any]] = [
         {"step": b.step, "gen": b.gen, "path": b.dir,
          "bytes": sum(n for p, n in sizes.items() if p.startswith(b.dir + "/"))}
@@ -202,6 +205,9 @@ def _render_ls(d: dict[str, Any]) -> str:
     lines += [f"  g{s['gen']} settings: " + " ".join(f"{k}={v}" for k, v in _flat(s["options"]))
               + (f" codec={_codec_name(s['codec'])}" if s["codec"] else "")
               for s in d["sessions"] if s["options"]]
+    lines += [f"  g{s['gen']} auto-tuned: " + "; ".join(
+        f"step {t.get('step')}: " + " ".join(f"{k}={v}" for k, v in (t.get("settings") or {}).items())
+        for t in s["tuning"]) for s in d["sessions"] if s.get("tuning")]
     lines += ["", "bases"] + _table(["step", "gen", "size", "path"], [
         [str(b["step"]), f"g{b['gen']}", _human(b["bytes"]), b["path"]] for b in d["bases"]])
     lines += ["", "segments"] + _table(["after..last", "gen", "steps", "size", "path"], [
@@ -384,10 +390,15 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------- tune
+def _cmd_tune(args: argparse.Namespace) -> int:
+    return advice.run(args, _storage_options(args.storage_option))
+
+
 # ---------------------------------------------------------------------------------- main
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="diffckpt", description="Inspect, verify and export diffckpt runs.",
+        prog="diffckpt", description="Inspect, verify and export diffckpt runs; plan their settings.",
         epilog="exit codes: 0 ok, 1 damage or failed operation, 2 usage error, no such run/step")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     common = argparse.ArgumentParser(add_help=False)
@@ -416,6 +427,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="default from FILE: .ckpt lightning, .safetensors safetensors, else torch")
     p.add_argument("--no-verify", action="store_true", help="skip the fingerprint checks")
     p.set_defaults(func=_cmd_export)
+    p = sub.add_parser("tune", help="probe storage and recommend every_n_steps, write_batch, base_every_n_steps")
+    advice.add_arguments(p)
+    p.set_defaults(func=_cmd_tune)
     return parser
 
 

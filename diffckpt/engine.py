@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import socket
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -20,17 +23,20 @@ import torch
 from .capture import StepCapture, clone_tree, group_hyperparams, tree_nbytes
 from .compression import GradientCompressor
 from .errors import DiffCkptError
+from .measure import Meter, probe_storage
 from .options import CheckpointOptions
 from .policies import IntervalPolicy, StepContext
 from .replay import ReplayResult, replay
 from .retry import unwrap
 from .storage import Storage, open_storage
-from .store import RunStore
+from .store import RunStore, tuning_path
+from .tuning import AUTO, AutoTuner, Decision, Measurements, Settings, describe
 from .writer import BackgroundWriter
 
 __all__ = ["CheckpointEngine"]
 
 log = logging.getLogger("diffckpt")
+WARMUP_STEPS = 10  # the tuner's first review comes this many steps into a session
 
 
 class CheckpointEngine:
@@ -55,6 +61,21 @@ class CheckpointEngine:
         self._last_base = 0
         self._buffer_names: list[str] = []
         self._durable: int | None = None
+        o = self.options
+        self.settings = Settings(
+            every_n_steps=1 if o.every_n_steps == AUTO else int(o.every_n_steps),
+            write_batch=8 if o.write_batch == AUTO else int(o.write_batch),
+            base_every_n_steps=500 if o.base_every_n_steps == AUTO else o.base_every_n_steps)  # type: ignore[arg-type]
+        self.tuner = AutoTuner(o.tuning, o.every_n_steps, o.write_batch, o.base_every_n_steps) if o.auto else None
+        self.meter: Meter | None = None
+        self.decisions: list[dict[str, Any]] = []  # the tuner's changes in this session
+        self.last_review: tuple[Decision, Measurements] | None = None
+        self._tuned = False
+        self._next_review = 0
+        self._session_start = 0
+        self._restore_timing: tuple[float, float | None] | None = None
+        self._mark: float | None = None  # end of the previous checkpoint call on the training thread
+        self._state_s = 0.0  # adapter time spent building state since the previous record
 
     @property
     def storage_is_local(self) -> bool:
@@ -86,16 +107,95 @@ class CheckpointEngine:
                 "optimizers": [f"{type(o).__module__}.{type(o).__qualname__}" for o in optimizers],
                 "parameters": [[k, list(p.shape)] for k, p in params.items()],
                 "codec": None if compressor is None else compressor.codec.config(), **(meta or {})}
+        if self._restore_timing is not None:
+            body["restore_timing"] = {"base_load_s": self._restore_timing[0],
+                                      "replay_step_s": self._restore_timing[1]}
         gen = self.store.start_session(body)
         self.module = module
-        self.writer = BackgroundWriter(self.store, gen, self.options, after=step)
-        self._prev_step = self._last_base = step
+        self.meter = Meter(self.options.max_pending_bytes) if self.tuner is not None else None
+        self.writer = BackgroundWriter(self.store, gen, self.options, after=step, meter=self.meter,
+                                       write_batch=self.settings.write_batch)
+        if self.meter is not None:
+            meter, storage = self.meter, self.writer.storage
+            if self._restore_timing is not None:
+                meter.add_restore(*self._restore_timing)
+            self.writer.call(lambda: meter.add_probe(probe_storage(storage, repeats=1, on_sample=meter.add_write)))
+            self.decisions, self._tuned = [], False
+        self._prev_step = self._last_base = self._session_start = step
+        self._next_review = step + WARMUP_STEPS
+        self._mark, self._state_s = None, 0.0
         return gen
 
     def _context(self, step: int) -> StepContext:
-        o = self.options
-        return StepContext(step, self._last_base, o.every_n_steps, o.base_every_n_steps,
-                           o.fingerprint_every_n_steps)
+        s = self.settings
+        return StepContext(step, self._last_base, s.every_n_steps, s.base_every_n_steps,
+                           self.options.fingerprint_every_n_steps)
+
+    # ------------------------------------------------------------------- tuning
+    def review_due(self, step: int) -> bool:
+        """Whether the auto-tuner reviews its settings at ``step``.
+
+        A function of the step alone, so every DDP rank agrees; the writer calls :meth:`review`,
+        the others :meth:`adopt` what it chose (the adapter broadcasts it).
+        """
+        return self.tuner is not None and step >= self._next_review
+
+    def review(self, step: int) -> Decision | None:
+        """Let the tuner look at the measurements and apply what it decides (writer only).
+
+        Returns the decision (``None`` while measurements are not ready). A change is logged and
+        recorded in the session's ``tuning.json``, which ``diffckpt ls`` shows.
+        """
+        if self.tuner is None:
+            return None
+        self._next_review = step + self.options.tuning.retune_every_n_steps
+        m = self.meter.snapshot(step - self._session_start) if self.meter is not None else None
+        if m is None:
+            return None
+        first = not self._tuned
+        decision = self.tuner.decide(m, None if first else self.settings)
+        self._tuned = True
+        self.last_review = (decision, m)
+        if first or decision.settings != self.settings:
+            old = self.settings
+            self._apply(decision.settings)
+            log.info("diffckpt: auto-tuned at step %d: %s (%s; expected loss %.3f%% of training time: overhead "
+                     "%.2f%%, %.1fs lost and %.1fs recovery per failure). Measured: %s", step,
+                     ", ".join(f"{k} {getattr(old, k)} -> {v}" for k, v in decision.settings.as_dict().items()
+                               if getattr(old, k) != v), decision.reason, 100 * decision.estimate.loss,
+                     100 * decision.estimate.overhead, decision.estimate.lost_work_s,
+                     decision.estimate.recovery_s, describe(m))
+            self.decisions.append({"step": step, "settings": decision.settings.as_dict(), "reason": decision.reason,
+                                   "expected_loss": decision.estimate.loss, "measurements": m.as_dict()})
+            self._save_decisions()
+        return decision
+
+    def adopt(self, settings: Settings, step: int) -> None:
+        """Take the settings the writer's tuner chose (DDP ranks other than 0)."""
+        self._next_review = step + (self.options.tuning.retune_every_n_steps if self.tuner else 0)
+        self._apply(settings)
+
+    def _apply(self, settings: Settings) -> None:
+        self.settings = settings
+        if self.writer is not None:
+            self.writer.write_batch = settings.write_batch
+
+    def _save_decisions(self) -> None:
+        writer = self.writer
+        if writer is None:
+            return
+        body = json.dumps({"gen": writer.gen, "decisions": list(self.decisions)}, indent=1).encode()
+        path, storage = tuning_path(writer.gen), writer.storage
+        writer.call(lambda: storage.write(path, body))
+
+    @contextlib.contextmanager
+    def measuring_state(self) -> Iterator[None]:
+        """Time the adapter's work to build a restorable step's state, for the tuner."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._state_s += time.perf_counter() - start
 
     def wants_state(self, step: int) -> bool:
         """Whether ``step`` is a restorable point, so the caller should pass its state."""
@@ -103,6 +203,12 @@ class CheckpointEngine:
 
     def wants_base(self, step: int) -> bool:
         return self.policy.wants_base(self._context(step))
+
+    def join(self, step: int) -> None:
+        """Keep the clock of a process that does not write (DDP ranks other than 0) from a
+        session that starts at ``step``, as :meth:`start` does for the writer."""
+        self._prev_step = self._last_base = self._session_start = step
+        self._next_review = step + WARMUP_STEPS
 
     def follow(self, step: int, base: bool) -> None:
         """Keep the step/base clock of a process that does not write (DDP ranks other than 0), so
@@ -122,6 +228,8 @@ class CheckpointEngine:
         writer, capture, module = self._require()
         if step <= self._prev_step:
             raise DiffCkptError(f"step {step} recorded after step {self._prev_step}; steps must increase")
+        entered = time.perf_counter()
+        copy_s, update_s = capture.copy_s, capture.update_s
         events = capture.take()
         buffers = dict(module.named_buffers())
         record: dict[str, Any] = {
@@ -130,13 +238,30 @@ class CheckpointEngine:
             "events": events,
             "param_groups": [group_hyperparams(o) for o in capture.optimizers],
             "buffers": {k: buffers[k].detach().clone() for k in self._buffer_names if k in buffers},
-            "state": None if state is None else clone_tree(state),
+            "state": None,
         }
-        if state is not None and self.policy.wants_fingerprint(self._context(step)):
-            record["fingerprint_params"] = [p.detach().clone() for p in module.parameters()]
+        step_bytes = tree_nbytes(record)
+        state_start = time.perf_counter()
+        if state is not None:
+            record["state"] = clone_tree(state)
+            if self.policy.wants_fingerprint(self._context(step)):
+                record["fingerprint_params"] = [p.detach().clone() for p in module.parameters()]
+        state_s = time.perf_counter() - state_start
         nbytes = tree_nbytes(record)
+        stalled = writer.stats.stall_seconds
         writer.put_record(record, nbytes)
         self._prev_step = step
+        if self.meter is not None:
+            done = time.perf_counter()
+            stalled = writer.stats.stall_seconds - stalled
+            if state is not None:
+                self.meter.add_state(self._state_s + state_s)
+            if self._mark is not None:  # training time since the previous call, checkpointing taken out
+                self.meter.add_step(entered - self._mark - self._state_s - copy_s,
+                                    copy_s + (done - entered) - state_s - stalled, step_bytes)
+            if events:
+                self.meter.add_update(update_s)
+            self._mark, self._state_s = done, 0.0
 
     def write_base(self, step: int, model_state: dict[str, Any], optimizer_states: list[dict[str, Any]],
                    state: Any, codec_states: list[dict[str, torch.Tensor]] | None = None) -> None:
@@ -146,6 +271,7 @@ class CheckpointEngine:
         rank order, for a codec that keeps state.
         """
         writer, _, module = self._require()
+        start = time.perf_counter()
         tree = clone_tree({"model": model_state, "optimizers": optimizer_states, "state": state})
         if codec_states and any(codec_states):
             tree["codec"] = clone_tree(list(codec_states))
@@ -153,8 +279,14 @@ class CheckpointEngine:
         missing = [n for n in names if n not in tree["model"]]
         if missing:
             raise DiffCkptError(f"model state for the base lacks parameters {missing[:3]}")
+        stalled = writer.stats.stall_seconds
         writer.put_base(step, tree, [tree["model"][n] for n in names], tree_nbytes(tree))
         self._last_base = step
+        if self.meter is not None:
+            done = time.perf_counter()
+            self.meter.add_base_capture(done - start - (writer.stats.stall_seconds - stalled), tree_nbytes(tree))
+            if self._mark is not None:
+                self._mark = done
 
     def flush(self, timeout: float | None = None) -> int | None:
         """Block until everything captured is durable; return the durable step.
@@ -227,10 +359,14 @@ class CheckpointEngine:
             ReplayMismatchError: replay diverged from the fingerprints recorded in training;
                 ``module`` and ``optimizers`` are then partly replayed and must not be used.
         """
+        start = time.perf_counter()
         plan, info, base = self.store.open_plan(step)
+        loaded = time.perf_counter()
         ctx = self.capture.paused() if self.capture else contextlib.nullcontext()
         with ctx, compressor.paused() if compressor else contextlib.nullcontext():
             result = replay(self.store, plan, module, optimizers, verify=verify, loaded=(info, base))
+        replayed = time.perf_counter() - loaded
+        self._restore_timing = (loaded - start, replayed / result.replayed if result.replayed else None)
         if compressor is not None:
             if result.codec_config != compressor.codec.config():  # another codec, or none, trained
                 compressor.restore(None, {})

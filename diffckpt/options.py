@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .retry import RetryPolicy
+from .tuning import AUTO, TuningOptions
 
 __all__ = ["CheckpointOptions"]
 
@@ -19,6 +20,11 @@ class CheckpointOptions:
         write_batch: consecutive step records written to storage as one segment.
         base_every_n_steps: a full base every this many steps (and once when training starts);
             ``None`` writes only the starting base.
+
+            Each of these three may be ``"auto"``: the auto-tuner measures the run online and
+            picks the value that minimises the expected time lost for ``tuning`` (MTBF, overhead
+            budget, recovery-time objective); see ``docs/tuning.md``.
+        tuning: what the auto-tuner is told (only used when a knob is ``"auto"``).
         fingerprint_every_n_steps: record a hash of the parameters every this many steps (and at
             every base); replay checks it. ``None`` fingerprints bases only.
         max_pending_bytes: memory the queue to the background writer may hold; when full, the
@@ -38,9 +44,11 @@ class CheckpointOptions:
             got. A normal end of training waits for storage as ``on_storage_error`` says.
     """
 
-    every_n_steps: int = 1
-    write_batch: int = 8
-    base_every_n_steps: int | None = 500
+    TUNABLE = ("every_n_steps", "write_batch", "base_every_n_steps")
+
+    every_n_steps: int | str = 1
+    write_batch: int | str = 8
+    base_every_n_steps: int | str | None = 500
     fingerprint_every_n_steps: int | None = 50
     max_pending_bytes: int = 256 << 20
     compression: str = "auto"
@@ -48,16 +56,25 @@ class CheckpointOptions:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     on_storage_error: str = "block"
     flush_timeout_s: float = 30.0
+    tuning: TuningOptions = field(default_factory=TuningOptions)
 
     def __post_init__(self) -> None:
         for name in ("every_n_steps", "write_batch", "max_pending_bytes", "compression_level"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            if value == AUTO and name in self.TUNABLE:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                also = " or 'auto'" if name in self.TUNABLE else ""
+                raise ValueError(f"{name} must be a positive integer{also}, got {value!r}")
         for name in ("base_every_n_steps", "fingerprint_every_n_steps"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+            if value == AUTO and name in self.TUNABLE:
+                continue
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                also = ", None or 'auto'" if name in self.TUNABLE else " or None"
+                raise ValueError(f"{name} must be a positive integer{also}, got {value!r}")
+        if not isinstance(self.tuning, TuningOptions):
+            raise ValueError(f"tuning must be a diffckpt.TuningOptions, got {self.tuning!r}")
         if self.on_storage_error not in ("block", "raise"):
             raise ValueError(f"on_storage_error must be 'block' or 'raise', got {self.on_storage_error!r}")
         if not isinstance(self.retry, RetryPolicy):
@@ -66,3 +83,8 @@ class CheckpointOptions:
             raise ValueError(f"flush_timeout_s must be a non-negative number, got {self.flush_timeout_s!r}")
         if self.compression not in ("auto", "zstd", "none"):
             raise ValueError(f"compression must be 'auto', 'zstd' or 'none', got {self.compression!r}")
+
+    @property
+    def auto(self) -> bool:
+        """Whether any knob is left to the auto-tuner."""
+        return any(getattr(self, name) == AUTO for name in self.TUNABLE)

@@ -20,7 +20,7 @@ from .format import FORMAT_VERSION, BaseName, SegmentName, decode_commit, decode
 from .storage import Storage
 from .tree import unpack_tree
 
-__all__ = ["RUN_FILE", "Inventory", "RestorePlan", "RunStore", "session_path"]
+__all__ = ["RUN_FILE", "Inventory", "RestorePlan", "RunStore", "session_path", "tuning_path"]
 
 log = logging.getLogger("diffckpt")
 RUN_FILE = "run.json"
@@ -29,6 +29,11 @@ RUN_FILE = "run.json"
 def session_path(gen: int) -> str:
     """Where session ``gen`` records what it was started with."""
     return f"sessions/g{gen:06d}.json"
+
+
+def tuning_path(gen: int) -> str:
+    """Where session ``gen`` keeps the auto-tuner's decisions (rewritten on each change)."""
+    return f"sessions/g{gen:06d}.tuning.json"
 
 
 @dataclass
@@ -135,6 +140,15 @@ class RunStore:
             log.warning("diffckpt: session g%d of %s was just started by another job; taking g%d",
                         gen, self.storage.url, gen + 1)
             gen += 1
+
+    def tuning_log(self, gen: int) -> list[dict[str, Any]]:
+        """The auto-tuner's decisions in session ``gen``, oldest first (empty without tuning)."""
+        try:
+            body = json.loads(self.storage.read(tuning_path(gen)))
+        except (CheckpointNotFoundError, ValueError):
+            return []
+        decisions = body.get("decisions") if isinstance(body, dict) else None
+        return decisions if isinstance(decisions, list) else []
 
     def newer_session(self, gen: int, storage: Storage | None = None) -> dict[str, Any] | None:
         """What the session after ``gen`` recorded, if one started (``None`` otherwise)."""

@@ -27,6 +27,7 @@ import torch
 from .capture import fingerprint
 from .errors import ConcurrentWriterError, DiffCkptError, StorageUnavailableError
 from .format import BaseName, SegmentName, digest_parts, encode_commit, encode_segment_parts
+from .measure import Meter
 from .options import CheckpointOptions
 from .retry import RetryingStorage
 from .store import RunStore
@@ -56,10 +57,14 @@ class WriterStats:
 class BackgroundWriter:
     """Owns the writer thread of one session (``gen``) of a run."""
 
-    def __init__(self, store: RunStore, gen: int, options: CheckpointOptions, after: int) -> None:
+    def __init__(self, store: RunStore, gen: int, options: CheckpointOptions, after: int,
+                 meter: Meter | None = None, write_batch: int | None = None) -> None:
         self.store = store
         self.gen = gen
         self.options = options
+        self.meter = meter
+        # Records per segment; the auto-tuner may change it while training runs.
+        self.write_batch = write_batch if write_batch is not None else int(options.write_batch)
         self.stats = WriterStats()
         self.durable_step: int | None = None
         self.last_step = after  # newest step handed to the writer
@@ -233,6 +238,7 @@ class BackgroundWriter:
             self._add_record(item)
         elif kind == "base":
             self._write_segment()
+            self._drop_superseded(item[0])
             self._write_base(*item)
         elif kind == "call":
             self._write_segment()
@@ -251,7 +257,7 @@ class BackgroundWriter:
         if params is not None:
             record["fingerprint"] = fingerprint(params)
         self._pending.append(record)
-        if len(self._pending) >= self.options.write_batch and record.get("state") is not None:
+        if len(self._pending) >= self.write_batch and record.get("state") is not None:
             self._write_segment()
 
     def _write_segment(self) -> None:
@@ -265,6 +271,8 @@ class BackgroundWriter:
         start = time.monotonic()
         info: dict[str, Any] = {}
         parts = encode_segment_parts(header, records, self.options.compression, self.options.compression_level, info)
+        if self.meter is not None:
+            self.meter.add_segment(info["raw_bytes"], sum(len(p) for p in parts), time.monotonic() - start)
         self._commit(name.path, parts)
         self.stats.write_seconds += time.monotonic() - start
         del self._pending[:cut]
@@ -279,13 +287,26 @@ class BackgroundWriter:
         self._after = name.last
         self.durable_step = name.last
 
+    def _drop_superseded(self, step: int) -> None:
+        """Drop pending records up to a base's step: none is restorable (the segment written just
+        before ended at the newest restorable one) and the base carries the state after them."""
+        cut = sum(1 for r in self._pending if r["step"] <= step)
+        if cut:
+            del self._pending[:cut]
+            with self._cond:
+                self._queued_bytes -= sum(self._pending_bytes[:cut])
+                del self._pending_bytes[:cut]
+                self._cond.notify_all()
+
     def _write_base(self, step: int, tree: dict[str, Any], params: list[torch.Tensor]) -> None:
         start = time.monotonic()
         name = BaseName(step, self.gen)
         parts = pack_parts(tree)
+        size = sum(len(p) for p in parts)
+        if self.meter is not None:
+            self.meter.add_base(size, time.monotonic() - start)
         self._commit(name.state_path, parts)
         digest = digest_parts(parts)
-        size = sum(len(p) for p in parts)
         commit = {"step": step, "gen": self.gen, "fingerprint": fingerprint(params),
                   "files": {"state.safetensors": {"size": size, "sha256": digest.hexdigest()}}}
         self._commit(name.commit_path, encode_commit(commit))
@@ -298,6 +319,7 @@ class BackgroundWriter:
 
     def _commit(self, path: str, data: Any) -> None:
         """Write one object: fenced against newer sessions, retried through outages."""
+        start, failed = time.monotonic(), False
         while True:
             try:
                 self._check_fence()
@@ -306,9 +328,13 @@ class BackgroundWriter:
             except StorageUnavailableError as exc:
                 if self._abandon.is_set():
                     raise
+                failed = True
                 self._note_outage(path, exc)
                 if self._abandon.wait(self.options.retry.max_backoff_s):
                     raise
+        if self.meter is not None and not failed:  # what a request costs here, fence check included
+            self.meter.add_write(len(data) if isinstance(data, bytes) else sum(len(p) for p in data),
+                                 time.monotonic() - start)
         if self._outage_since is not None:
             lasted = time.monotonic() - self._outage_since
             self.stats.outage_seconds += lasted

@@ -28,6 +28,7 @@ from diffckpt.errors import DiffCkptError, UnsupportedConfigurationError
 from diffckpt.options import CheckpointOptions
 from diffckpt.rng import get_rng_state, set_rng_state
 from diffckpt.store import RUN_FILE
+from diffckpt.tuning import tuning_metrics
 
 from .compression import GradientCompression
 from .references import write_reference
@@ -46,6 +47,9 @@ class DiffCheckpoint(ModelCheckpoint):
         every_n_steps: a restorable point every this many optimizer steps.
         write_batch: consecutive step records per segment (one write each).
         base_every_n_steps: a full base every this many steps, plus one when training starts.
+            Each of the three may be ``"auto"``: the auto-tuner measures the run and picks it
+            for ``tuning=diffckpt.TuningOptions(mtbf_s=..., max_overhead=..., rto_s=...)``;
+            its decisions are logged to the Trainer's loggers as ``diffckpt/*`` metrics.
         storage_options: fsspec options (credentials, endpoint).
         codec: compressed training (``diffckpt.codecs.TopK``, ``PowerSGD``, ``LowPrecision``):
             the codec runs as the DDP communication hook, or on the gradients before the step in
@@ -56,8 +60,8 @@ class DiffCheckpoint(ModelCheckpoint):
     Use with ``plugins=[DiffCheckpointIO()]`` and resume with ``Trainer.fit(ckpt_path="last")``.
     """
 
-    def __init__(self, dirpath: str | os.PathLike[str], *, every_n_steps: int = 1, write_batch: int = 8,
-                 base_every_n_steps: int | None = 500, storage_options: dict[str, Any] | None = None,
+    def __init__(self, dirpath: str | os.PathLike[str], *, every_n_steps: int | str = 1, write_batch: int | str = 8,
+                 base_every_n_steps: int | str | None = 500, storage_options: dict[str, Any] | None = None,
                  codec: Codec | None = None, **options: Any) -> None:
         super().__init__(dirpath=None, save_top_k=0, save_last=False)
         self.options = CheckpointOptions(every_n_steps=every_n_steps, write_batch=write_batch,
@@ -72,6 +76,8 @@ class DiffCheckpoint(ModelCheckpoint):
         self.durable_step: int | None = None
         self._trainer: pl.Trainer | None = None
         self._last_recorded = -1
+        self._last_restore_at = "batch_start"
+        self._last_had_state = True
         self._last_state_step = -1
         self._pending_rng: dict[str, Any] | None = None
         self._pending_at = "batch_start"
@@ -140,7 +146,7 @@ class DiffCheckpoint(ModelCheckpoint):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         step = trainer.global_step
-        self._last_recorded = step
+        self._last_recorded, self._last_had_state = step, True
         restored = self._restored is not None and self._restored[0] == step
         if not restored and trainer.world_size > 1:
             self._rank_states = self._gather_rank_states(trainer)
@@ -148,7 +154,7 @@ class DiffCheckpoint(ModelCheckpoint):
             self._compression.on_train_start(trainer, pl_module)
             self._codec_states = self._gather_codec_states(trainer)
         if not self.is_writer:
-            self.engine.follow(step, base=True)
+            self.engine.join(step)
             self._restored = None
             return
         optimizers = list(trainer.optimizers)
@@ -165,6 +171,8 @@ class DiffCheckpoint(ModelCheckpoint):
     # ------------------------------------------------------------------ capture
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: torch.optim.Optimizer) -> None:
+        if self.engine.capture is not None:  # the closure (forward, backward) is done: the update starts
+            self.engine.capture.mark_update_start()
         if self._compression is not None:
             self._compression.on_before_optimizer_step(trainer, pl_module, optimizer)
 
@@ -229,22 +237,41 @@ class DiffCheckpoint(ModelCheckpoint):
         gets a state back.
         """
         step = trainer.global_step
-        self._last_recorded = step
+        self._last_recorded, self._last_restore_at = step, restore_at
         engine = self.engine
+        if engine.review_due(step):
+            self._review(trainer, step)
         wants_state, wants_base = engine.wants_state(step), engine.wants_base(step)
-        if wants_state and trainer.world_size > 1:
-            self._rank_states = self._gather_rank_states(trainer)
-        if wants_base and self._compression is not None:
-            self._codec_states = self._gather_codec_states(trainer)
+        self._last_had_state = wants_state  # the same on every rank
+        with engine.measuring_state():
+            if wants_state and trainer.world_size > 1:
+                self._rank_states = self._gather_rank_states(trainer)
+            if wants_base and self._compression is not None:
+                self._codec_states = self._gather_codec_states(trainer)
         if not self.is_writer:
             engine.follow(step, wants_base)
             return step, None, wants_base
         self._capture_at = restore_at
         try:
-            state = self._small_state(trainer) if wants_state else None
+            with engine.measuring_state():
+                state = self._small_state(trainer) if wants_state else None
         finally:
             self._capture_at, self._rank_states = "batch_start", None
         return step, state, wants_base
+
+    def _review(self, trainer: pl.Trainer, step: int) -> None:
+        """Let the auto-tuner review its settings; under DDP rank 0 decides and every rank adopts."""
+        engine = self.engine
+        decision = engine.review(step) if self.is_writer else None
+        if trainer.world_size > 1:
+            shared = [engine.settings if self.is_writer else None]
+            torch.distributed.broadcast_object_list(shared, src=0)
+            if not self.is_writer:
+                engine.adopt(shared[0], step)
+        if decision is not None and engine.last_review is not None:
+            metrics = tuning_metrics(*engine.last_review)
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step)
 
     def _commit(self, held: tuple[int, dict[str, Any] | None, bool]) -> None:
         """Queue a taken step (rank 0), its base if one is due, and references waiting for it."""
@@ -261,7 +288,7 @@ class DiffCheckpoint(ModelCheckpoint):
             if ref_step == step and state is None:
                 raise DiffCkptError(
                     f"a checkpoint was saved at step {step} ({path}), which is not a restorable step "
-                    f"with every_n_steps={self.options.every_n_steps}; save checkpoints only at "
+                    f"with every_n_steps={self._every()}; save checkpoints only at "
                     "multiples of every_n_steps (e.g. ModelCheckpoint(every_n_train_steps=...))")
             self._write_reference(path, ref_step)
 
@@ -328,10 +355,34 @@ class DiffCheckpoint(ModelCheckpoint):
             if self._step_open(trainer):
                 self._commit(self._take(trainer, "batch_start"))
         self._commit_epoch_end(trainer)
+        if not trainer.received_sigterm:
+            self._seal(trainer)
         if trainer.received_sigterm:  # preempted: the flush must end before the grace period does
             self._close("stopped by SIGTERM", self.options.flush_timeout_s)
         else:
             self._close("end of training")
+
+    def _seal(self, trainer: pl.Trainer) -> None:
+        """Make the last step restorable when it was recorded without state (``every_n_steps``
+        above 1, or tuned so): a base at it carries the state, so fitting further resumes there."""
+        step = trainer.global_step
+        if step != self._last_recorded or self._last_had_state or trainer.state.fn != TrainerFn.FITTING:
+            return
+        engine = self.engine
+        with engine.measuring_state():
+            if trainer.world_size > 1:
+                self._rank_states = self._gather_rank_states(trainer)
+            if self._compression is not None:
+                self._codec_states = self._gather_codec_states(trainer)
+        if not self.is_writer:
+            return
+        self._capture_at = self._last_restore_at
+        try:
+            state = self._small_state(trainer)
+        finally:
+            self._capture_at, self._rank_states = "batch_start", None
+        self._write_base(step, state)
+        self._last_state_step = step
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._close("teardown")
@@ -415,8 +466,15 @@ class DiffCheckpoint(ModelCheckpoint):
         if step > self._last_state_step:
             raise DiffCkptError(
                 f"cannot save {path}: step {step} is not a restorable step with every_n_steps="
-                f"{self.options.every_n_steps}; save checkpoints only at multiples of every_n_steps")
+                f"{self._every()}; save checkpoints only at multiples of every_n_steps")
         self._write_reference(path, step)
+
+    def _every(self) -> str:
+        n = self.engine.settings.every_n_steps
+        if self.options.every_n_steps == "auto":
+            return (f"'auto' (now {n}; with ModelCheckpoint saving at fixed steps, give every_n_steps "
+                    "a divisor of its every_n_train_steps instead of 'auto')")
+        return str(n)
 
     def _write_reference(self, path: str, step: int) -> None:
         url, options = self.url, self.storage_options

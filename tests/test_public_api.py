@@ -10,7 +10,7 @@ def test_core_public_api():
         "CorruptRecordError", "DiffCkptError", "FsspecStorage", "GradientCompressor",
         "IncompatibleCheckpointError",
         "ReplayMismatchError", "ReplayResult", "RetryPolicy", "Storage", "StorageError",
-        "StorageUnavailableError", "UnsupportedConfigurationError", "load_state", "open_storage",
+        "StorageUnavailableError", "TuningOptions", "UnsupportedConfigurationError", "load_state", "open_storage",
     ]
     assert all(hasattr(diffckpt, name) for name in diffckpt.__all__)
 

@@ -54,6 +54,7 @@ def main() -> None:
     p.add_argument("--stop-at", type=int, help="stop the loop after this many optimizer steps")
     p.add_argument("--dump-steps", help="save model, optimizer and scheduler state after each step here")
     p.add_argument("--width", type=int, default=32)
+    p.add_argument("--auto", action="store_true", help='every_n_steps, write_batch, base_every_n_steps="auto"')
     p.add_argument("--stateful", action="store_true", help="use_stateful_dataloader=True")
     p.add_argument("--scaler", action="store_true",
                    help="fp16 loss scaling on CPU (Accelerate gives CPU no GradScaler): a real GradScaler "
@@ -83,9 +84,14 @@ def main() -> None:
         GradientCompression(accelerator, make_codec(args.codec), model=model)
     if args.dirpath:
         from accelerate_ckpt import DiffCheckpointer
-        ckpt = DiffCheckpointer(accelerator, args.dirpath, model=model, every_n_steps=args.every,
-                                write_batch=args.write_batch, base_every_n_steps=args.base_every,
-                                codec=make_codec(args.codec) if args.codec else None)
+        knobs: dict = {"every_n_steps": args.every, "write_batch": args.write_batch,
+                       "base_every_n_steps": args.base_every}
+        if args.auto:  # reviewed often, with a short MTBF so that the choice is not trivial
+            from diffckpt import TuningOptions
+            knobs = dict.fromkeys(knobs, "auto")
+            knobs["tuning"] = TuningOptions(mtbf_s=30, max_overhead=0.5, retune_every_n_steps=5)
+        ckpt = DiffCheckpointer(accelerator, args.dirpath, model=model,
+                                codec=make_codec(args.codec) if args.codec else None, **knobs)
         if not args.no_track:
             loader = ckpt.dataloader(dl)
         if args.load_state:

@@ -52,6 +52,9 @@ CONFIGS = {
     "powersgd": (["--codec", "powersgd", "--clip", "1.0"], 1, 36),
     "ddp_topk": (["--codec", "topk", "--clip", "1.0", "--epochs", "4"], 2, 24),
     "ddp_powersgd": (["--codec", "powersgd", "--accum", "2", "--epochs", "4"], 2, 12),
+    # every_n_steps, write_batch and base_every_n_steps on "auto" (ignored by the reference run)
+    "auto": (["--accum", "2", "--clip", "1.0", "--epochs", "6", "--auto"], 1, 36),
+    "ddp_auto": (["--accum", "2", "--clip", "1.0", "--epochs", "8", "--auto"], 2, 24),
 }
 
 
@@ -89,9 +92,9 @@ def _resumed_from(log: str) -> int:
     return int(next(line for line in log.splitlines() if line.startswith("RESUMED")).split()[1])
 
 
-def _kill_and_resume(config: str, tmp_path: Path, reference) -> tuple[int, int, str]:
+def _kill_and_resume(config: str, tmp_path: Path, reference, kill_at: int | None = None) -> tuple[int, int, str]:
     _, ranks, steps = CONFIGS[config]
-    kill_at = random.Random(f"{SEED}-{config}").randrange(4, steps - 1)
+    kill_at = kill_at or random.Random(f"{SEED}-{config}").randrange(4, steps - 1)
     run = tmp_path / "run"
     _run(config, tmp_path / "killed.pt", ["--dirpath", str(run)], kill_at_step=kill_at)
     log = _run(config, tmp_path / "resumed.pt", ["--dirpath", str(run), "--resume", "last"])
@@ -109,6 +112,17 @@ def _kill_and_resume(config: str, tmp_path: Path, reference) -> tuple[int, int, 
 @pytest.mark.parametrize("config", ["accum_clip", "bf16", "ddp", "stateful"])
 def test_kill9_then_restore_last_is_bitwise_identical(config, reference, tmp_path):
     _kill_and_resume(config, tmp_path, reference)
+
+
+@pytest.mark.parametrize("config", ["auto", "ddp_auto"])
+def test_auto_tuned_settings_kill9_then_restore_last_is_bitwise_identical(config, reference, tmp_path):
+    """All three knobs on "auto": the tuner reviews at step 10 (under DDP process 0 decides and
+    both adopt it, or the gathers at restorable steps would hang) and the resume is exact."""
+    _kill_and_resume(config, tmp_path, reference, kill_at=CONFIGS[config][2] - 4)
+    store = RunStore(open_storage(str(tmp_path / "run")))
+    first = store.tuning_log(1)
+    assert first and first[0]["step"] == 10, first
+    assert first[0]["settings"]["every_n_steps"] >= 1 and first[0]["measurements"]["step_s"] > 0
 
 
 def test_fp16_loss_scaling_with_skipped_steps(reference, tmp_path):

@@ -57,3 +57,19 @@ def test_ddp_resume_from_explicit_step(step, ddp_full_run, ddp_reference, tmp_pa
     resumed = [torch.load(out, weights_only=False), torch.load(f"{out}.rank1", weights_only=False)]
     for rank in (0, 1):
         assert_bitwise_equal(ddp_reference[rank], resumed[rank])
+
+
+def test_ddp_auto_tuned_kill9_resume_is_bitwise_identical_on_every_rank(ddp_reference, tmp_path):
+    """Settings on "auto": rank 0 decides at each review and rank 1 adopts (broadcast), so both
+    take the same restorable steps (else their per-rank state gathers would hang)."""
+    run = str(tmp_path / "run")
+    auto = ["--auto", "--tuning", '{"retune_every_n_steps": 5, "mtbf_s": 10, "max_overhead": 0.5}']
+    rc, log = run_script(SCRIPT, ["adamw", str(tmp_path / "x.pt"), "--dirpath", run, *DDP, *auto], kill_at_step=24)
+    assert rc == -9, log[-2000:]
+    assert "auto-tuned at step 10" in log, log[-3000:]
+    out = tmp_path / "resumed.pt"
+    rc, log = run_script(SCRIPT, ["adamw", str(out), "--dirpath", run, "--resume", *DDP, *auto])
+    assert rc == 0, log[-3000:]
+    resumed = [torch.load(out, weights_only=False), torch.load(f"{out}.rank1", weights_only=False)]
+    for rank in (0, 1):
+        assert_bitwise_equal(ddp_reference[rank], resumed[rank])

@@ -2,7 +2,8 @@
 
 Run as a subprocess: ``python train_script.py CONFIG OUT [--dirpath D] [--resume] [--no-lib]``
 (``--storage-options``, ``--flush-timeout`` and ``--retry-budget`` configure the storage side;
-``--codec`` trains with compressed gradients, with or without the library).
+``--codec`` trains with compressed gradients, with or without the library; ``--auto`` and
+``--tuning`` leave the settings to the auto-tuner).
 It prints ``STEP n`` after every optimizer step (the parent kills it with SIGKILL on a chosen
 step) and, when training ends, saves every tensor of the final model, optimizer, scheduler and
 RNG state to ``OUT`` for a bitwise comparison.
@@ -193,10 +194,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep after every batch")
     ap.add_argument("--codec", help="compressed training, see make_codec (with --no-lib: no checkpoints)")
     ap.add_argument("--dim", type=int, default=32, help="model width")
+    ap.add_argument("--steps", type=int, help="max_steps instead of the config's")
+    ap.add_argument("--auto", action="store_true", help='every_n_steps, write_batch, base_every_n_steps="auto"')
+    ap.add_argument("--tuning", type=json.loads, help="JSON dict: DiffCheckpoint(tuning=TuningOptions(...))")
     ap.add_argument("--dump-steps", help="save model and optimizer state at every step into this directory")
     args = ap.parse_args(argv)
 
     kwargs, steps = CONFIGS[args.config]
+    steps = args.steps or steps
     torch.set_num_threads(1)  # same kernels and reduction order in every process
     L.seed_everything(7, verbose=False)
     torch.use_deterministic_algorithms(True)
@@ -224,6 +229,12 @@ def main(argv: list[str] | None = None) -> None:
             from diffckpt import RetryPolicy
 
             extra["retry"] = RetryPolicy(budget_s=args.retry_budget, initial_backoff_s=0.05, max_backoff_s=0.2)
+        if args.tuning is not None:
+            from diffckpt import TuningOptions
+
+            extra["tuning"] = TuningOptions(**args.tuning)
+        if args.auto:
+            extra["every_n_steps"] = args.write_batch = args.base_every = "auto"
         diff = DiffCheckpoint(args.dirpath, write_batch=args.write_batch, base_every_n_steps=args.base_every,
                               fingerprint_every_n_steps=5, storage_options=args.storage_options,
                               codec=make_codec(args.codec) if args.codec else None, **extra)

@@ -1,0 +1,204 @@
+"""Online measurements for the auto-tuner, and the storage probe.
+
+The engine (training thread) and the writer (its own thread) report what they time; a
+:class:`Meter` keeps moving averages and turns them into the tuner's
+:class:`~diffckpt.tuning.Measurements` on demand. Writes are fitted as ``latency + bytes /
+bandwidth`` over a window of recent requests of different sizes (segments, bases and their small
+COMMIT markers), seeded by a probe of the storage when the session starts.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .tuning import Measurements
+
+__all__ = ["Meter", "fit_write_cost", "probe_storage"]
+
+PROBE_PREFIX = "_probe"
+PROBE_SIZES = (1 << 10, 1 << 20)
+DEFAULT_BANDWIDTH = 100e6  # bytes/s assumed until writes of different sizes have been timed
+
+
+class Ewma:
+    """Exponentially weighted moving average; ``None`` until the first sample."""
+
+    def __init__(self, alpha: float = 0.2) -> None:
+        self.alpha = alpha
+        self.value: float | None = None
+        self.count = 0
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else self.value + self.alpha * (x - self.value)
+        self.count += 1
+
+    def get(self, default: float = 0.0) -> float:
+        return default if self.value is None else self.value
+
+
+def fit_write_cost(samples: Sequence[tuple[int, float]], prior_bandwidth: float | None = None) -> tuple[float, float]:
+    """Fit ``seconds = latency + bytes / bandwidth`` to ``(bytes, seconds)`` samples.
+
+    Least squares when the sizes differ enough (the largest at least twice the smallest and
+    4 KiB apart); otherwise the bandwidth is ``prior_bandwidth`` (or ``DEFAULT_BANDWIDTH``) and
+    the latency is what remains. Returns ``(latency_s, bandwidth_bps)``.
+    """
+    if not samples:
+        raise ValueError("no write samples to fit")
+    sizes = [float(s) for s, _ in samples]
+    times = [float(t) for _, t in samples]
+    n = len(samples)
+    ms, mt = sum(sizes) / n, sum(times) / n
+    if max(sizes) >= 2 * min(sizes) and max(sizes) - min(sizes) >= 4096:
+        var = sum((s - ms) ** 2 for s in sizes)
+        slope = sum((s - ms) * (t - mt) for s, t in zip(sizes, times, strict=True)) / var
+        if slope > 0:
+            latency = max(0.0, mt - slope * ms)
+            return latency, 1.0 / slope
+    bandwidth = prior_bandwidth or DEFAULT_BANDWIDTH
+    latency = max(0.0, mt - ms / bandwidth)
+    return latency, bandwidth
+
+
+def probe_storage(storage: Any, sizes: Sequence[int] = PROBE_SIZES, repeats: int = 2,
+                  prefix: str = PROBE_PREFIX,
+                  on_sample: Callable[[int, float], None] | None = None) -> list[tuple[int, float]]:
+    """Time writes of a few object sizes to ``storage`` (under ``prefix``, removed after).
+
+    Returns ``(bytes, seconds)`` per write, for :func:`fit_write_cost`; ``on_sample`` gets each
+    one as soon as it is measured. The data is random so that compression on the way cannot
+    flatter the figures.
+    """
+    samples = []
+    tag = uuid.uuid4().hex[:12]
+    written = []
+    try:
+        for r in range(repeats):
+            for size in sizes:
+                path = f"{prefix}/{tag}-{r}-{size}"
+                data = os.urandom(size)
+                start = time.perf_counter()
+                storage.write(path, data)
+                samples.append((size, time.perf_counter() - start))
+                written.append(path)
+                if on_sample is not None:
+                    on_sample(*samples[-1])
+    finally:
+        for path in written:
+            try:
+                storage.delete(path)
+            except Exception:  # noqa: BLE001 - a leftover probe object is harmless, the figures are not
+                pass
+    return samples
+
+
+class Meter:
+    """Collects what the engine and its writer time, for :meth:`snapshot`.
+
+    Thread-safe: the training thread and the writer thread both report.
+    """
+
+    def __init__(self, memory_bytes: int, window: int = 32) -> None:
+        self.memory_bytes = memory_bytes
+        self._lock = threading.Lock()
+        self._writes: collections.deque[tuple[int, float]] = collections.deque(maxlen=window)
+        self._bandwidth: float | None = None
+        self.step_s = Ewma()
+        self.record_s = Ewma()
+        self.state_s = Ewma()
+        self.record_bytes = Ewma()
+        self.diff_ratio = Ewma()  # encoded / raw bytes of segments
+        self.encode_s_per_byte = Ewma()
+        self.update_s = Ewma()  # optimizer update time of a step (what replay repeats)
+        self.base_bytes = Ewma(alpha=0.5)
+        self.base_capture_s = Ewma(alpha=0.5)
+        self.base_encode_s = Ewma(alpha=0.5)
+        self.restore_load_s: float | None = None  # measured by a restore in this process
+        self.restore_step_s: float | None = None
+
+    # ------------------------------------------------------------- training side
+    def add_step(self, step_s: float, record_s: float, record_bytes: int) -> None:
+        with self._lock:
+            self.step_s.add(max(step_s, 0.0))
+            self.record_s.add(record_s)
+            self.record_bytes.add(record_bytes)
+
+    def add_state(self, seconds: float) -> None:
+        with self._lock:
+            self.state_s.add(seconds)
+
+    def add_update(self, seconds: float) -> None:
+        with self._lock:
+            self.update_s.add(seconds)
+
+    def add_base_capture(self, seconds: float, nbytes: int) -> None:
+        with self._lock:
+            self.base_capture_s.add(seconds)
+            if self.base_bytes.count == 0:  # until the writer has serialized one
+                self.base_bytes.value = float(nbytes)
+
+    def add_restore(self, load_s: float, replay_step_s: float | None) -> None:
+        with self._lock:
+            self.restore_load_s = load_s
+            if replay_step_s is not None:
+                self.restore_step_s = replay_step_s
+
+    # --------------------------------------------------------------- writer side
+    def add_write(self, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            self._writes.append((nbytes, seconds))
+
+    def add_probe(self, samples: Sequence[tuple[int, float]]) -> None:
+        """Seed the bandwidth from a storage probe (its writes were added one by one)."""
+        with self._lock:
+            if samples:
+                self._bandwidth = fit_write_cost(samples)[1]
+
+    def add_segment(self, raw_bytes: int, encoded_bytes: int, encode_s: float) -> None:
+        with self._lock:
+            if raw_bytes > 0:
+                self.diff_ratio.add(encoded_bytes / raw_bytes)
+                self.encode_s_per_byte.add(encode_s / raw_bytes)
+
+    def add_base(self, nbytes: int, encode_s: float) -> None:
+        with self._lock:
+            self.base_bytes.add(nbytes)
+            self.base_encode_s.add(encode_s)
+
+    # ------------------------------------------------------------------- reading
+    @property
+    def ready(self) -> bool:
+        """Whether enough was seen to decide: steps, a write and a base."""
+        return self.step_s.count >= 3 and bool(self._writes) and self.base_bytes.value is not None
+
+    def snapshot(self, steps: int = 0) -> Measurements | None:
+        """The current estimates, or ``None`` before :attr:`ready`."""
+        with self._lock:
+            if not self.ready:
+                return None
+            latency, bandwidth = fit_write_cost(list(self._writes), self._bandwidth)
+            if bandwidth != self._bandwidth and len(self._writes) >= 4:
+                self._bandwidth = bandwidth
+            record_bytes = self.record_bytes.get()
+            diff_bytes = record_bytes * self.diff_ratio.get(1.0)
+            encode = self.encode_s_per_byte.get()
+            base_bytes = self.base_bytes.get()
+            base_encode = self.base_encode_s.get()
+            # Replay repeats the optimizer update on gradients read back and decoded; loading a
+            # base reads and unpacks it. Measured by a restore when one ran in this process.
+            replay = self.restore_step_s if self.restore_step_s is not None else (
+                self.update_s.get() + diff_bytes / bandwidth + encode * record_bytes)
+            load = self.restore_load_s if self.restore_load_s is not None else (
+                latency + base_bytes / bandwidth + base_encode)
+            return Measurements(
+                step_s=self.step_s.get(), record_s=self.record_s.get(), state_s=self.state_s.get(),
+                diff_bytes=diff_bytes, record_bytes=record_bytes, encode_s_per_byte=encode,
+                latency_s=latency, bandwidth_bps=bandwidth, base_bytes=base_bytes,
+                base_capture_s=self.base_capture_s.get(), base_encode_s=base_encode,
+                replay_step_s=replay, base_load_s=load, memory_bytes=float(self.memory_bytes), steps=steps)

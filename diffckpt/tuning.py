@@ -1,0 +1,308 @@
+"""The auto-tuner: a pure policy that picks ``every_n_steps``, ``write_batch`` and
+``base_every_n_steps`` from a small :class:`Measurements` object.
+
+The cost model (``docs/tuning.md`` derives it) is the expected time lost per unit of training
+time: what checkpointing costs the training thread, plus the failure rate times what a failure
+costs (the work since the last durable step, and the recovery: base load plus replay). The tuner
+evaluates it over a grid of candidate settings, keeps those that satisfy the constraints (the
+writer keeps up, buffered diffs fit in memory, overhead within ``max_overhead``, worst-case
+recovery within ``rto_s``) and picks the cheapest; it switches away from the settings in force
+only when that saves more than a margin (hysteresis), so settings do not flap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["AutoTuner", "Decision", "Estimate", "Measurements", "Settings", "TuningOptions", "expected_loss",
+           "tuning_metrics"]
+
+AUTO = "auto"
+WRITER_HEADROOM = 0.8  # the writer may be busy at most this share of the time
+HYSTERESIS = 0.1  # switch only when the new settings lose at least 10% less
+MAX_INTERVAL = 1_000_000
+
+
+def _grid(limit: int) -> list[int]:
+    """1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 20, 25, 30, 40, 50, ... up to ``limit``."""
+    out, decade = [], 1
+    while decade <= limit:
+        out += [v * decade for v in ((1, 2, 3, 4, 5, 6, 8) if decade == 1 else (1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8))]
+        decade *= 10
+    return sorted({int(v) for v in out if v <= limit})
+
+
+GRID = _grid(MAX_INTERVAL)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TuningOptions:
+    """What the user tells the tuner; everything else is measured.
+
+    Attributes:
+        mtbf_s: mean time between failures of the job, in seconds (a crash, a preemption without
+            notice, a lost node). The default, one a day, suits a small job on reliable machines;
+            large multi-node jobs and spot instances fail far more often: set it.
+        max_overhead: the largest share of step time checkpointing may take from the training
+            thread (capture, copies of bases, waiting for the writer).
+        rto_s: recovery-time objective: the longest a restore (base load plus replay) may take,
+            in seconds; ``None`` for no bound.
+        retune_every_n_steps: how often measurements are reviewed (the first review comes after
+            a short warm-up).
+    """
+
+    mtbf_s: float = 24 * 3600.0
+    max_overhead: float = 0.03
+    rto_s: float | None = None
+    retune_every_n_steps: int = 50
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mtbf_s, (int, float)) or self.mtbf_s <= 0:
+            raise ValueError(f"mtbf_s must be a positive number of seconds, got {self.mtbf_s!r}")
+        if not isinstance(self.max_overhead, (int, float)) or not 0 < self.max_overhead < 1:
+            raise ValueError(f"max_overhead must be a fraction of step time in (0, 1), got {self.max_overhead!r}")
+        if self.rto_s is not None and (not isinstance(self.rto_s, (int, float)) or self.rto_s <= 0):
+            raise ValueError(f"rto_s must be a positive number of seconds or None, got {self.rto_s!r}")
+        if not isinstance(self.retune_every_n_steps, int) or self.retune_every_n_steps < 1:
+            raise ValueError(f"retune_every_n_steps must be a positive integer, got {self.retune_every_n_steps!r}")
+
+
+@dataclass(frozen=True)
+class Measurements:
+    """What the cost model needs, all per optimizer step unless said otherwise (seconds, bytes).
+
+    Attributes:
+        step_s: training time of a step with checkpointing taken out.
+        record_s: training-thread cost paid at every step whatever the settings (gradient
+            copies, the step's record).
+        state_s: training-thread cost of a restorable point (loop state, schedulers, RNG).
+        diff_bytes: bytes a step's record takes on storage (encoded, compressed).
+        record_bytes: bytes a step's record holds in memory until its segment is written.
+        encode_s_per_byte: writer time to encode and compress a byte of records.
+        latency_s: fixed time of one write request on this storage.
+        bandwidth_bps: bytes per second of one write request.
+        base_bytes: size of a base on storage.
+        base_capture_s: training-thread time to copy a base.
+        base_encode_s: writer time to serialize a base.
+        replay_step_s: time to replay one step when restoring (read, decode, optimizer step).
+        base_load_s: time to read and load a base when restoring.
+        memory_bytes: memory the writer queue may hold (``max_pending_bytes``).
+        steps: steps trained in this session (for ``base_every_n_steps=None``).
+    """
+
+    step_s: float
+    record_s: float
+    state_s: float
+    diff_bytes: float
+    record_bytes: float
+    encode_s_per_byte: float
+    latency_s: float
+    bandwidth_bps: float
+    base_bytes: float
+    base_capture_s: float
+    base_encode_s: float
+    replay_step_s: float
+    base_load_s: float
+    memory_bytes: float
+    steps: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: float(v) for k, v in self.__dict__.items()}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The three knobs (``base_every_n_steps=None``: only the session's starting base)."""
+
+    every_n_steps: int
+    write_batch: int
+    base_every_n_steps: int | None
+
+    @property
+    def segment_steps(self) -> int:
+        """Steps per segment: the writer cuts a segment at the first restorable step once
+        ``write_batch`` records are pending, so this is ``write_batch`` rounded up to a multiple
+        of ``every_n_steps``; it is also how far apart durable steps are."""
+        n = self.every_n_steps
+        return n * -(-self.write_batch // n)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"every_n_steps": self.every_n_steps, "write_batch": self.write_batch,
+                "base_every_n_steps": self.base_every_n_steps}
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The cost model's prediction for one set of settings (seconds unless said otherwise)."""
+
+    settings: Settings
+    overhead: float  # share of step time taken from training (capture, base copies, stalls)
+    lost_work_s: float  # expected work lost by a failure (since the last durable step)
+    recovery_s: float  # expected recovery time (base load + replay)
+    worst_recovery_s: float
+    writer_utilization: float
+    memory_bytes: float  # peak bytes buffered for the writer
+    loss: float  # expected time lost per unit of training time
+    violations: tuple[str, ...] = ()
+
+    @property
+    def feasible(self) -> bool:
+        return not self.violations
+
+
+def expected_loss(s: Settings, m: Measurements, o: TuningOptions, slack: float = 1.0) -> Estimate:
+    """Evaluate the cost model (``docs/tuning.md`` gives the formulas and their reasoning).
+
+    ``slack`` widens every limit by that factor: settings in force count as meeting a limit they
+    exceed only by noise, so that measurements wobbling around a limit do not flip them."""
+    T = max(m.step_s, 1e-9)
+    k = s.segment_steps
+    base_every = s.base_every_n_steps if s.base_every_n_steps is not None else max(m.steps, k, 1)
+    B = max(m.bandwidth_bps, 1.0)
+    # Writer time per segment and per base; bases are two objects (state, then COMMIT).
+    w_seg = m.encode_s_per_byte * k * m.record_bytes + m.latency_s + k * m.diff_bytes / B
+    w_base = m.base_encode_s + 2 * m.latency_s + m.base_bytes / B
+    rho_seg = w_seg / (k * T)
+    rho = rho_seg + (w_base / (base_every * T) if s.base_every_n_steps is not None else 0.0)
+    # Memory: a segment's records wait until it is written, a base's copy until it is written.
+    # At a base step the writer writes that step's segment (done at t1), then the base (done at
+    # t2); the records trained meanwhile queue in what the segment and the base leave of
+    # max_pending_bytes (the first one always gets in once the writer has taken the base).
+    # Training waits for the writer when the next record does not fit.
+    pending = k * m.record_bytes
+    backlog = w_base / T * m.record_bytes
+    base_stall = 0.0
+    if s.base_every_n_steps is not None and m.record_bytes > 0:
+        c = m.base_capture_s
+        t1 = max(w_seg, c)
+        t2 = t1 + w_base
+        fit1 = max(0.0, (m.memory_bytes - pending - m.base_bytes) // m.record_bytes)
+        fit2 = max(1.0, (m.memory_bytes - m.base_bytes) // m.record_bytes)
+        base_stall = max(0.0, t1 - c - (fit1 + 1) * T, t2 - c - (fit2 + 1) * T)
+    base_cost = (m.base_capture_s + base_stall) / base_every if s.base_every_n_steps is not None else 0.0
+    overhead_s = m.record_s + m.state_s / s.every_n_steps + base_cost
+    # A failure loses the steps since the last durable one: half a segment on average, plus the
+    # time the newest segment takes to become durable, plus the delay a base write adds to the
+    # segments queued behind it (it drains at the writer's spare rate).
+    base_delay = 0.0
+    if s.base_every_n_steps is not None and rho_seg < 1:
+        base_delay = w_base * w_base / (2 * (1 - rho_seg) * base_every * T)
+    lost = k * (T + overhead_s) / 2 + w_seg + base_delay
+    recovery = m.base_load_s + m.replay_step_s * max(0, base_every - k) / 2
+    worst = m.base_load_s + m.replay_step_s * base_every
+    violations = []
+    if rho > WRITER_HEADROOM * slack:
+        violations.append(f"writer busy {rho:.0%} of the time (limit {WRITER_HEADROOM:.0%})")
+    if pending > m.memory_bytes / 2 * slack:
+        violations.append("a segment's records exceed half of max_pending_bytes")
+    # The gradient copies (record_s) are paid whatever the settings: when they alone exceed the
+    # budget, the budget cannot be met and only the expected loss decides.
+    if overhead_s / T > o.max_overhead * slack and m.record_s / T < o.max_overhead:
+        violations.append(f"overhead {overhead_s / T:.1%} > max_overhead {o.max_overhead:.1%}")
+    if o.rto_s is not None and worst > o.rto_s * slack:
+        violations.append(f"worst-case recovery {worst:.0f}s > rto_s {o.rto_s:.0f}s")
+    loss = overhead_s / T + (lost + recovery) / o.mtbf_s
+    peak = pending + (m.base_bytes + backlog if s.base_every_n_steps is not None else 0.0)
+    return Estimate(s, overhead_s / T, lost, recovery, worst, rho, peak, loss, tuple(violations))
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What :meth:`AutoTuner.decide` chose and why."""
+
+    settings: Settings
+    estimate: Estimate
+    current: Estimate | None
+    changed: bool
+    reason: str
+
+
+@dataclass
+class AutoTuner:
+    """Chooses the knobs left on ``"auto"``; fixed knobs stay as given.
+
+    Args:
+        options: MTBF, overhead budget, recovery-time objective.
+        every_n_steps, write_batch, base_every_n_steps: ``"auto"`` or the fixed value.
+    """
+
+    options: TuningOptions = field(default_factory=TuningOptions)
+    every_n_steps: int | str = AUTO
+    write_batch: int | str = AUTO
+    base_every_n_steps: int | None | str = AUTO
+
+    def candidates(self) -> list[Settings]:
+        n_fixed, b_fixed, m_fixed = (v != AUTO for v in (self.every_n_steps, self.write_batch,
+                                                          self.base_every_n_steps))
+        pairs: list[tuple[int, int]] = []
+        if not n_fixed and not b_fixed:  # restorable points only where they become durable
+            pairs = [(k, k) for k in GRID]
+        elif not n_fixed:
+            pairs = [(n, int(self.write_batch)) for n in GRID]
+        elif not b_fixed:
+            n = int(self.every_n_steps)
+            pairs = [(n, n * j) for j in GRID if n * j <= MAX_INTERVAL]
+        else:
+            pairs = [(int(self.every_n_steps), int(self.write_batch))]
+        out = []
+        for n, b in pairs:
+            k = n * -(-b // n)
+            if m_fixed:
+                out.append(Settings(n, b, self.base_every_n_steps))  # type: ignore[arg-type]
+            else:
+                out += [Settings(n, b, k * j) for j in GRID if k * j <= MAX_INTERVAL]
+        return out
+
+    def decide(self, m: Measurements, current: Settings | None = None) -> Decision:
+        """Pick the settings with the least expected loss among those meeting every constraint
+        (or, if none does, the one with the fewest and mildest violations), and keep ``current``
+        unless it breaks a constraint the choice meets or loses ``HYSTERESIS`` more."""
+        estimates = [expected_loss(s, m, self.options) for s in self.candidates()]
+        best = min(estimates, key=_rank)
+        if current is None:
+            return Decision(best.settings, best, None, True, "first choice")
+        now = expected_loss(current, m, self.options, slack=1 + HYSTERESIS)
+        if now.settings == best.settings:
+            return Decision(current, now, now, False, "already the best")
+        if now.feasible or not best.feasible:
+            if now.loss <= best.loss * (1 + HYSTERESIS) and len(now.violations) <= len(best.violations):
+                return Decision(current, now, now, False, "within the hysteresis margin")
+            reason = f"expected loss {now.loss:.3%} -> {best.loss:.3%}"
+        else:
+            reason = "; ".join(now.violations)
+        return Decision(best.settings, best, now, True, reason)
+
+
+def _rank(e: Estimate) -> tuple[int, float, float]:
+    # Feasible first; among infeasible ones, fewer violations, then least overhead.
+    if e.feasible:
+        return (0, e.loss, 0.0)
+    return (len(e.violations), e.overhead + max(0.0, e.writer_utilization - WRITER_HEADROOM), e.loss)
+
+
+def tuning_metrics(decision: Decision, m: Measurements) -> dict[str, float]:
+    """A review as flat ``diffckpt/*`` metrics for experiment loggers."""
+    e = decision.estimate
+    out = {f"diffckpt/{k}": float(v if v is not None else 0) for k, v in decision.settings.as_dict().items()}
+    out.update({"diffckpt/expected_loss": e.loss, "diffckpt/overhead": e.overhead,
+                "diffckpt/lost_work_s": e.lost_work_s, "diffckpt/recovery_s": e.recovery_s,
+                "diffckpt/writer_utilization": e.writer_utilization})
+    out.update({f"diffckpt/measured/{k}": float(v) for k, v in m.as_dict().items()})
+    return out
+
+
+def describe(m: Measurements) -> str:
+    """One line of the measurements behind a decision, for logs."""
+    return (f"step {m.step_s * 1e3:.1f} ms, capture {m.record_s * 1e3:.2f} ms + state {m.state_s * 1e3:.2f} ms, "
+            f"diff {_size(m.diff_bytes)}, write {m.latency_s * 1e3:.1f} ms + {_size(m.bandwidth_bps)}/s, "
+            f"base {_size(m.base_bytes)} (copy {m.base_capture_s * 1e3:.1f} ms), "
+            f"replay {m.replay_step_s * 1e3:.2f} ms/step + load {m.base_load_s:.2f} s")
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"

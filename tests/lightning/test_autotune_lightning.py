@@ -1,0 +1,88 @@
+"""Real Lightning runs with every_n_steps, write_batch and base_every_n_steps on "auto": the
+tuner picks different settings for fast local disk and for S3 behind a slow link, logs and
+records them, and restore stays exact."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import assert_bitwise_equal, run_script
+from test_exactness import SCRIPT
+
+import diffckpt
+from diffckpt.store import RunStore
+
+pytest.importorskip("s3fs")
+pytest.importorskip("moto")
+
+STEPS = 80
+# A short MTBF makes durability worth a lot, so on fast storage the tuner wants small segments.
+TUNING = json.dumps({"retune_every_n_steps": 10, "mtbf_s": 10, "max_overhead": 0.2})
+AUTO = ["--auto", "--tuning", TUNING, "--steps", str(STEPS)]
+
+
+@pytest.fixture(scope="module")
+def reference80(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref80") / "ref.pt"
+    rc, log = run_script(SCRIPT, ["adamw", str(out), "--no-lib", "--steps", str(STEPS)])
+    assert rc == 0, log[-3000:]
+    return torch.load(out, weights_only=False)
+
+
+def _decisions(url: str, storage_options: dict | None = None) -> list[dict]:
+    store = RunStore(diffckpt.open_storage(url, **(storage_options or {})))
+    return [d for gen in sorted(store.inventory().sessions) for d in store.tuning_log(gen)]
+
+
+def _segment_steps(settings: dict) -> int:
+    n, b = settings["every_n_steps"], settings["write_batch"]
+    return n * -(-b // n)
+
+
+def test_auto_on_local_disk_kill9_resume_is_exact(tmp_path, reference80):
+    run = str(tmp_path / "run")
+    rc, log = run_script(SCRIPT, ["adamw", str(tmp_path / "crashed.pt"), "--dirpath", run, *AUTO], kill_at_step=45)
+    assert rc == -9, log[-3000:]
+    assert "auto-tuned at step 10" in log, log[-3000:]
+    decisions = _decisions(run)
+    assert decisions and decisions[0]["step"] == 10
+    assert {"step_s", "latency_s", "bandwidth_bps", "replay_step_s"} <= set(decisions[0]["measurements"])
+    rc, log = run_script(SCRIPT, ["adamw", str(tmp_path / "resumed.pt"), "--dirpath", run, "--resume", *AUTO])
+    assert rc == 0, log[-3000:]
+    assert_bitwise_equal(reference80, torch.load(tmp_path / "resumed.pt", weights_only=False))
+    # ls shows what the tuner chose.
+    from diffckpt.cli import main
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["ls", run]) == 0
+    assert "auto-tuned" in buf.getvalue(), buf.getvalue()
+
+
+def test_auto_on_slow_s3_batches_more_than_on_local_disk_and_restores(tmp_path, s3_bucket, s3_via_proxy,
+                                                                       fault_proxy, reference80):
+    local = str(tmp_path / "local")
+    rc, log = run_script(SCRIPT, ["adamw", str(tmp_path / "local.pt"), "--dirpath", local, *AUTO])
+    assert rc == 0, log[-3000:]
+    fault_proxy.latency(0.25)  # every request to the bucket: an object store far away
+    rc, log = run_script(SCRIPT, ["adamw", str(tmp_path / "s3.pt"), "--dirpath", s3_via_proxy.url, *AUTO],
+                         env=s3_via_proxy.env, timeout=300)
+    fault_proxy.latency(0.0)
+    assert rc == 0, log[-3000:]
+    # Checkpointing with tuned settings does not change training.
+    assert_bitwise_equal(reference80, torch.load(tmp_path / "s3.pt", weights_only=False))
+    assert_bitwise_equal(reference80, torch.load(tmp_path / "local.pt", weights_only=False))
+    fast, slow = _decisions(local)[-1], _decisions(s3_via_proxy.url, s3_via_proxy.storage_options)[-1]
+    assert slow["measurements"]["latency_s"] > 10 * fast["measurements"]["latency_s"], (fast, slow)
+    # Each request costs 0.25 s against ~25 ms steps: the writer keeps up only with bigger segments.
+    assert _segment_steps(slow["settings"]) > _segment_steps(fast["settings"]), (fast, slow)
+    assert slow["settings"]["base_every_n_steps"] >= fast["settings"]["base_every_n_steps"], (fast, slow)
+    # The last step is restorable (a base seals it) and replays to the trained state.
+    final = torch.load(tmp_path / "s3.pt", weights_only=False)
+    state = diffckpt.load_state(s3_via_proxy.url, storage_options=s3_via_proxy.storage_options)
+    assert state["step"] == STEPS
+    assert_bitwise_equal(final["model"], state["model"])
