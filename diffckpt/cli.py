@@ -143,9 +143,16 @@ def _codec_name(config: dict[str, Any]) -> str:
         return str(config.get("codec"))
 
 
+def _auto(options: dict[str, Any]) -> bool:
+    """Whether a session left a knob to the auto-tuner (its ``tuning`` options matter then)."""
+    return "auto" in (options.get("every_n_steps"), options.get("write_batch"), options.get("base_every_n_steps"))
+
+
 def _every(options: dict[str, Any]) -> str:
     # With every_n_steps > 1, only every n-th step of a durable range is restorable.
     n = options.get("every_n_steps", 1)
+    if n == "auto":
+        return " (restorable steps: see auto-tuned)"
     return f" every {n}" if isinstance(n, int) and n > 1 else ""
 
 
@@ -202,7 +209,8 @@ def _render_ls(d: dict[str, Any]) -> str:
          (", ".join(f"{lo}..{hi}" for lo, hi in s["durable"]) or "-") + _every(s["options"]),
          str(s["newest_step"] if s["newest_step"] is not None else "-"), s["ckpt_path"] or "-"]
         for s in d["sessions"]])
-    lines += [f"  g{s['gen']} settings: " + " ".join(f"{k}={v}" for k, v in _flat(s["options"]))
+    lines += [f"  g{s['gen']} settings: " + " ".join(f"{k}={v}" for k, v in _flat(s["options"])
+                                                 if not k.startswith("tuning.") or _auto(s["options"]))
               + (f" codec={_codec_name(s['codec'])}" if s["codec"] else "")
               for s in d["sessions"] if s["options"]]
     lines += [f"  g{s['gen']} auto-tuned: " + "; ".join(

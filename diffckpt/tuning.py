@@ -275,10 +275,11 @@ class AutoTuner:
 
 
 def _rank(e: Estimate) -> tuple[int, float, float]:
-    # Feasible first; among infeasible ones, fewer violations, then least overhead.
+    # Feasible first; among infeasible ones, fewer violations, then the least expected loss
+    # (with the writer's excess counted as stall: a writer that cannot keep up makes training wait).
     if e.feasible:
         return (0, e.loss, 0.0)
-    return (len(e.violations), e.overhead + max(0.0, e.writer_utilization - WRITER_HEADROOM), e.loss)
+    return (len(e.violations), e.loss + max(0.0, e.writer_utilization - WRITER_HEADROOM), e.overhead)
 
 
 def tuning_metrics(decision: Decision, m: Measurements) -> dict[str, float]:
