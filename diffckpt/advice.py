@@ -32,12 +32,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from . import tuning
 from .errors import StorageError, StorageUnavailableError, UnsupportedConfigurationError
 from .measure import PROBE_PREFIX, fit_write_cost, probe_storage
 from .options import CheckpointOptions
 from .retry import RetryPolicy
 from .storage import open_storage
-from . import tuning
 from .tuning import AutoTuner, Estimate, Measurements, Settings, TuningOptions, expected_loss
 
 __all__ = ["add_arguments", "advise", "render", "run"]
@@ -300,7 +300,6 @@ def measure_host(optimizer: str = "adamw", device: str = "cpu") -> HostCosts:
     del x
     buf = bytes(HASH_PROBE_BYTES)
     hash_s = _median_time(lambda: hashlib.sha256(buf).digest(), 2)
-    del buf
     gen = torch.Generator().manual_seed(0)
     payload = torch.randn(ZSTD_PROBE_BYTES // 2, generator=gen).bfloat16().view(torch.uint8).numpy().tobytes()
     compressor = zstandard.ZstdCompressor(level=1)

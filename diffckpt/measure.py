@@ -93,7 +93,7 @@ def probe_storage(storage: Any, sizes: Sequence[int] = PROBE_SIZES, repeats: int
         for path in written:
             try:
                 storage.delete(path)
-            except Exception:  # noqa: BLE001 - a leftover probe object is harmless, the figures are not
+            except Exception:  # noqa: BLE001, S110 - a leftover probe object is harmless
                 pass
     return samples
 

@@ -17,11 +17,19 @@ from collections.abc import Mapping
 from typing import Any
 
 import pytest
+from tuning_sim import (
+    Scenario,
+    SimResult,
+    fmt,
+    grid_optimum,
+    grid_settings,
+    make_scenario,
+    simulate,
+    storage_change,
+)
 
 from diffckpt.measure import Meter
 from diffckpt.tuning import AUTO, GRID, AutoTuner, Settings, TuningOptions
-from tuning_sim import (Scenario, SimResult, fmt, grid_optimum, grid_settings, make_scenario, simulate,
-                        storage_change)
 
 MB, GB = 1e6, 1e9
 HOUR, DAY, WEEK = 3600.0, 86400.0, 7 * 86400.0
@@ -94,7 +102,7 @@ def engine_start(fixed: Mapping[str, Any]) -> Settings:
     return Settings(**values)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def grid_best(scn: Scenario, opts: TuningOptions, fixed: tuple[tuple[str, Any], ...] = ()
               ) -> tuple[Settings, SimResult, int]:
     """The simulated optimum over the tuner's candidate families (cached: it is the slow part)."""

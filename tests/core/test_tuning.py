@@ -14,8 +14,16 @@ from typing import Any
 import pytest
 
 from diffckpt.measure import Meter, fit_write_cost
-from diffckpt.tuning import (HYSTERESIS, WRITER_HEADROOM, AutoTuner, Estimate, Measurements, Settings, TuningOptions,
-                             expected_loss)
+from diffckpt.tuning import (
+    HYSTERESIS,
+    WRITER_HEADROOM,
+    AutoTuner,
+    Estimate,
+    Measurements,
+    Settings,
+    TuningOptions,
+    expected_loss,
+)
 
 MB = 1e6
 

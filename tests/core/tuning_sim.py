@@ -189,7 +189,7 @@ class _Writer:
         q = self.queue
         while q:
             enq, is_base, step, nbytes, diff, restorable = q[0]
-            start = self.free_at if self.free_at > enq else enq
+            start = max(enq, self.free_at)
             if start > t:
                 break
             q.popleft()

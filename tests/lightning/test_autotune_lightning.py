@@ -53,9 +53,10 @@ def test_auto_on_local_disk_kill9_resume_is_exact(tmp_path, reference80):
     assert rc == 0, log[-3000:]
     assert_bitwise_equal(reference80, torch.load(tmp_path / "resumed.pt", weights_only=False))
     # ls shows what the tuner chose.
-    from diffckpt.cli import main
     import contextlib
     import io
+
+    from diffckpt.cli import main
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
