@@ -195,6 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--codec", help="compressed training, see make_codec (with --no-lib: no checkpoints)")
     ap.add_argument("--dim", type=int, default=32, help="model width")
     ap.add_argument("--steps", type=int, help="max_steps instead of the config's")
+    ap.add_argument("--csv-logger", help="log metrics with a CSVLogger into this directory")
     ap.add_argument("--auto", action="store_true", help='every_n_steps, write_batch, base_every_n_steps="auto"')
     ap.add_argument("--tuning", type=json.loads, help="JSON dict: DiffCheckpoint(tuning=TuningOptions(...))")
     ap.add_argument("--dump-steps", help="save model and optimizer state at every step into this directory")
@@ -247,7 +248,8 @@ def main(argv: list[str] | None = None) -> None:
                                  save_top_k=2, monitor="train_loss", save_last=True)
             callbacks.insert(callbacks.index(diff) + (0 if args.mc_first else 1), mc)
     ddp = {"strategy": "ddp", "devices": args.devices} if args.devices > 1 else {"devices": 1}
-    trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, **ddp,
+    logger = L.pytorch.loggers.CSVLogger(args.csv_logger, name="", version="") if args.csv_logger else False
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=logger, **ddp,
                         enable_progress_bar=False, enable_model_summary=False,
                         enable_checkpointing=not args.no_lib, num_sanity_val_steps=2,
                         callbacks=callbacks, plugins=plugins, deterministic=True, **kwargs)
