@@ -240,10 +240,10 @@ class DiffCheckpointer:
         engine = self.engine
         decision = engine.review(step) if self.is_writer else None
         if self.accelerator.num_processes > 1:
-            shared = [engine.settings if self.is_writer else None]
+            shared = [(engine.settings, engine.next_review) if self.is_writer else None]
             torch.distributed.broadcast_object_list(shared, src=0)
             if not self.is_writer:
-                engine.adopt(shared[0], step)
+                engine.adopt(*shared[0])
         if decision is not None and engine.last_review is not None and self.accelerator.trackers:
             self.accelerator.log(tuning_metrics(*engine.last_review), step=step)
 

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import socket
 import time
@@ -37,6 +38,7 @@ __all__ = ["CheckpointEngine"]
 
 log = logging.getLogger("diffckpt")
 WARMUP_STEPS = 10  # the tuner's first review comes this many steps into a session
+REVIEW_BUDGET = 0.001  # the tuner's reviews may take at most this share of training time
 
 
 class CheckpointEngine:
@@ -76,6 +78,7 @@ class CheckpointEngine:
         self._restore_timing: tuple[float, float | None] | None = None
         self._mark: float | None = None  # end of the previous checkpoint call on the training thread
         self._state_s = 0.0  # adapter time spent building state since the previous record
+        self._aside_s = 0.0  # other checkpoint work since the previous record (tuner reviews)
 
     @property
     def storage_is_local(self) -> bool:
@@ -123,7 +126,7 @@ class CheckpointEngine:
             self.decisions, self._tuned = [], False
         self._prev_step = self._last_base = self._session_start = step
         self._next_review = step + WARMUP_STEPS
-        self._mark, self._state_s = None, 0.0
+        self._mark, self._state_s, self._aside_s = None, 0.0, 0.0
         return gen
 
     def _context(self, step: int) -> StepContext:
@@ -148,10 +151,29 @@ class CheckpointEngine:
         """
         if self.tuner is None:
             return None
+        started = time.perf_counter()
         self._next_review = step + self.options.tuning.retune_every_n_steps
         m = self.meter.snapshot(step - self._session_start) if self.meter is not None else None
         if m is None:
             return None
+        try:
+            return self._decide(step, m)
+        finally:
+            # Reviews are not training time, and they may take at most REVIEW_BUDGET of it: with
+            # fast steps they come further apart than retune_every_n_steps.
+            spent = time.perf_counter() - started
+            self._aside_s += spent
+            if m.step_s > 0:
+                self._next_review = step + max(self.options.tuning.retune_every_n_steps,
+                                               math.ceil(spent / (REVIEW_BUDGET * m.step_s)))
+
+    @property
+    def next_review(self) -> int:
+        """The step of the next review (DDP: rank 0 sends it with the settings)."""
+        return self._next_review
+
+    def _decide(self, step: int, m: Measurements) -> Decision:
+        assert self.tuner is not None
         first = not self._tuned
         decision = self.tuner.decide(m, None if first else self.settings)
         self._tuned = True
@@ -170,9 +192,10 @@ class CheckpointEngine:
             self._save_decisions()
         return decision
 
-    def adopt(self, settings: Settings, step: int) -> None:
-        """Take the settings the writer's tuner chose (DDP ranks other than 0)."""
-        self._next_review = step + (self.options.tuning.retune_every_n_steps if self.tuner else 0)
+    def adopt(self, settings: Settings, next_review: int) -> None:
+        """Take the settings the writer's tuner chose and its next review step (DDP ranks other
+        than 0)."""
+        self._next_review = next_review
         self._apply(settings)
 
     def _apply(self, settings: Settings) -> None:
@@ -257,11 +280,11 @@ class CheckpointEngine:
             if state is not None:
                 self.meter.add_state(self._state_s + state_s)
             if self._mark is not None:  # training time since the previous call, checkpointing taken out
-                self.meter.add_step(entered - self._mark - self._state_s - copy_s,
+                self.meter.add_step(entered - self._mark - self._state_s - self._aside_s - copy_s,
                                     copy_s + (done - entered) - state_s - stalled, step_bytes)
             if events:
                 self.meter.add_update(update_s)
-            self._mark, self._state_s = done, 0.0
+            self._mark, self._state_s, self._aside_s = done, 0.0, 0.0
 
     def write_base(self, step: int, model_state: dict[str, Any], optimizer_states: list[dict[str, Any]],
                    state: Any, codec_states: list[dict[str, torch.Tensor]] | None = None) -> None:
