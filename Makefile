@@ -33,6 +33,7 @@ bench: $(VENV)/.installed-bench
 	$(BIN)/python bench/compressed.py --threads 1  # a core left for the writer, as reported
 	$(BIN)/python bench/convergence.py --threads 1
 	$(BIN)/python bench/accelerate_loop.py --threads 1
+	$(BIN)/python bench/autotune.py --threads 1
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -153,7 +153,7 @@ class CheckpointEngine:
             return None
         started = time.perf_counter()
         self._next_review = step + self.options.tuning.retune_every_n_steps
-        m = self.meter.snapshot(step - self._session_start) if self.meter is not None else None
+        m = self.meter.snapshot(step - self._session_start, self._base_bytes_now()) if self.meter else None
         if m is None:
             return None
         try:
@@ -166,6 +166,13 @@ class CheckpointEngine:
             if m.step_s > 0:
                 self._next_review = step + max(self.options.tuning.retune_every_n_steps,
                                                math.ceil(spent / (REVIEW_BUDGET * m.step_s)))
+
+    def _base_bytes_now(self) -> int | None:
+        """Bytes of model and optimizer state a base would copy now."""
+        if self.module is None or self.capture is None:
+            return None
+        return tree_nbytes(self.module.state_dict()) + sum(
+            tree_nbytes(o.state_dict()["state"]) for o in self.capture.optimizers)
 
     @property
     def next_review(self) -> int:
@@ -267,9 +274,10 @@ class CheckpointEngine:
         state_start = time.perf_counter()
         if state is not None:
             record["state"] = clone_tree(state)
-            if self.policy.wants_fingerprint(self._context(step)):
-                record["fingerprint_params"] = [p.detach().clone() for p in module.parameters()]
         state_s = time.perf_counter() - state_start
+        # Not state cost: fingerprints come every fingerprint_every_n_steps whatever the tuner picks.
+        if state is not None and self.policy.wants_fingerprint(self._context(step)):
+            record["fingerprint_params"] = [p.detach().clone() for p in module.parameters()]
         nbytes = tree_nbytes(record)
         stalled = writer.stats.stall_seconds
         writer.put_record(record, nbytes)

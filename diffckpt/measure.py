@@ -177,8 +177,13 @@ class Meter:
         """Whether enough was seen to decide: steps, a write and a base."""
         return self.step_s.count >= 3 and bool(self._writes) and self.base_bytes.value is not None
 
-    def snapshot(self, steps: int = 0) -> Measurements | None:
-        """The current estimates, or ``None`` before :attr:`ready`."""
+    def snapshot(self, steps: int = 0, base_bytes_now: int | None = None) -> Measurements | None:
+        """The current estimates, or ``None`` before :attr:`ready`.
+
+        ``base_bytes_now`` is what a base would hold now (model plus optimizer state). The base a
+        fresh run starts with has no optimizer state yet, so it is far smaller than the next
+        ones: its size and its copy and encode times are scaled to this size.
+        """
         with self._lock:
             if not self.ready:
                 return None
@@ -189,7 +194,10 @@ class Meter:
             diff_bytes = record_bytes * self.diff_ratio.get(1.0)
             encode = self.encode_s_per_byte.get()
             base_bytes = self.base_bytes.get()
-            base_encode = self.base_encode_s.get()
+            base_encode, base_capture = self.base_encode_s.get(), self.base_capture_s.get()
+            if base_bytes_now and base_bytes > 0 and base_bytes_now > base_bytes:
+                scale = base_bytes_now / base_bytes
+                base_bytes, base_encode, base_capture = base_bytes_now, base_encode * scale, base_capture * scale
             # Replay repeats the optimizer update on gradients read back and decoded; loading a
             # base reads and unpacks it. Measured by a restore when one ran in this process.
             replay = self.restore_step_s if self.restore_step_s is not None else (
@@ -200,5 +208,5 @@ class Meter:
                 step_s=self.step_s.get(), record_s=self.record_s.get(), state_s=self.state_s.get(),
                 diff_bytes=diff_bytes, record_bytes=record_bytes, encode_s_per_byte=encode,
                 latency_s=latency, bandwidth_bps=bandwidth, base_bytes=base_bytes,
-                base_capture_s=self.base_capture_s.get(), base_encode_s=base_encode,
+                base_capture_s=base_capture, base_encode_s=base_encode,
                 replay_step_s=replay, base_load_s=load, memory_bytes=float(self.memory_bytes), steps=steps)
