@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 __all__ = ["AutoTuner", "Decision", "Estimate", "Measurements", "Settings", "TuningOptions", "expected_loss",
            "tuning_metrics"]
 
@@ -151,60 +153,84 @@ class Estimate:
         return not self.violations
 
 
-def expected_loss(s: Settings, m: Measurements, o: TuningOptions, slack: float = 1.0) -> Estimate:
-    """Evaluate the cost model (``docs/tuning.md`` gives the formulas and their reasoning).
+def _model(n: np.ndarray, b: np.ndarray, base: np.ndarray, m: Measurements, o: TuningOptions,
+           slack: float) -> dict[str, np.ndarray]:
+    """The cost model over arrays of settings (``base`` is ``nan`` for no periodic bases).
 
-    ``slack`` widens every limit by that factor: settings in force count as meeting a limit they
-    exceed only by noise, so that measurements wobbling around a limit do not flip them."""
+    One evaluation serves one setting (:func:`expected_loss`) and the whole candidate grid
+    (:meth:`AutoTuner.decide`), so both always agree."""
     T = max(m.step_s, 1e-9)
-    k = s.segment_steps
-    base_every = s.base_every_n_steps if s.base_every_n_steps is not None else max(m.steps, k, 1)
+    R, S, M = m.record_bytes, m.base_bytes, m.memory_bytes
+    k = n * np.ceil(b / n)
+    periodic = ~np.isnan(base)
+    every = np.where(periodic, base, np.maximum(k, max(m.steps, 1)))
     B = max(m.bandwidth_bps, 1.0)
     # Writer time per segment and per base; bases are two objects (state, then COMMIT).
-    w_seg = m.encode_s_per_byte * k * m.record_bytes + m.latency_s + k * m.diff_bytes / B
-    w_base = m.base_encode_s + 2 * m.latency_s + m.base_bytes / B
+    w_seg = m.encode_s_per_byte * k * R + m.latency_s + k * m.diff_bytes / B
+    w_base = m.base_encode_s + 2 * m.latency_s + S / B
     rho_seg = w_seg / (k * T)
-    rho = rho_seg + (w_base / (base_every * T) if s.base_every_n_steps is not None else 0.0)
+    rho = rho_seg + np.where(periodic, w_base / (every * T), 0.0)
     # Memory: a segment's records wait until it is written, a base's copy until it is written.
     # At a base step the writer writes that step's segment (done at t1), then the base (done at
     # t2); the records trained meanwhile queue in what the segment and the base leave of
     # max_pending_bytes (the first one always gets in once the writer has taken the base).
     # Training waits for the writer when the next record does not fit.
-    pending = k * m.record_bytes
-    backlog = w_base / T * m.record_bytes
-    base_stall = 0.0
-    if s.base_every_n_steps is not None and m.record_bytes > 0:
+    pending = k * R
+    stall = np.zeros_like(k)
+    if R > 0:
         c = m.base_capture_s
-        t1 = max(w_seg, c)
+        t1 = np.maximum(w_seg, c)
         t2 = t1 + w_base
-        fit1 = max(0.0, (m.memory_bytes - pending - m.base_bytes) // m.record_bytes)
-        fit2 = max(1.0, (m.memory_bytes - m.base_bytes) // m.record_bytes)
-        base_stall = max(0.0, t1 - c - (fit1 + 1) * T, t2 - c - (fit2 + 1) * T)
-    base_cost = (m.base_capture_s + base_stall) / base_every if s.base_every_n_steps is not None else 0.0
-    overhead_s = m.record_s + m.state_s / s.every_n_steps + base_cost
+        fit1 = np.maximum(0.0, np.floor((M - pending - S) / R))
+        fit2 = max(1.0, float(np.floor((M - S) / R)))
+        stall = np.where(periodic, np.maximum(0.0, np.maximum(t1 - c - (fit1 + 1) * T, t2 - c - (fit2 + 1) * T)),
+                         0.0)
+    overhead_s = m.record_s + m.state_s / n + np.where(periodic, (m.base_capture_s + stall) / every, 0.0)
     # A failure loses the steps since the last durable one: half a segment on average, plus the
     # time the newest segment takes to become durable, plus the delay a base write adds to the
     # segments queued behind it (it drains at the writer's spare rate).
-    base_delay = 0.0
-    if s.base_every_n_steps is not None and rho_seg < 1:
-        base_delay = w_base * w_base / (2 * (1 - rho_seg) * base_every * T)
+    spare = np.maximum(1 - rho_seg, 1e-12)
+    base_delay = np.where(periodic & (rho_seg < 1), w_base * w_base / (2 * spare * every * T), 0.0)
     lost = k * (T + overhead_s) / 2 + w_seg + base_delay
-    recovery = m.base_load_s + m.replay_step_s * max(0, base_every - k) / 2
-    worst = m.base_load_s + m.replay_step_s * base_every
+    recovery = m.base_load_s + m.replay_step_s * np.maximum(0.0, every - k) / 2
+    worst = m.base_load_s + m.replay_step_s * every
+    return {
+        "overhead": overhead_s / T, "lost": lost, "recovery": recovery, "worst": worst, "rho": rho,
+        "memory": pending + np.where(periodic, S + w_base / T * R, 0.0),
+        "loss": overhead_s / T + (lost + recovery) / o.mtbf_s,
+        "writer": rho > WRITER_HEADROOM * slack,
+        "pending": pending > M / 2 * slack,
+        # The gradient copies (record_s) are paid whatever the settings: when they alone exceed
+        # the budget, the budget cannot be met and only the expected loss decides.
+        "budget": (overhead_s / T > o.max_overhead * slack) & (m.record_s / T < o.max_overhead),
+        "rto": worst > (o.rto_s * slack if o.rto_s is not None else np.inf),
+    }
+
+
+def _arrays(settings: list[Settings]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return (np.array([s.every_n_steps for s in settings], dtype=float),
+            np.array([s.write_batch for s in settings], dtype=float),
+            np.array([np.nan if s.base_every_n_steps is None else s.base_every_n_steps for s in settings],
+                     dtype=float))
+
+
+def expected_loss(s: Settings, m: Measurements, o: TuningOptions, slack: float = 1.0) -> Estimate:
+    """Evaluate the cost model (``docs/tuning.md`` gives the formulas and their reasoning).
+
+    ``slack`` widens every limit by that factor: settings in force count as meeting a limit they
+    exceed only by noise, so that measurements wobbling around a limit do not flip them."""
+    r = {key: float(v[0]) for key, v in _model(*_arrays([s]), m, o, slack).items()}
     violations = []
-    if rho > WRITER_HEADROOM * slack:
-        violations.append(f"writer busy {rho:.0%} of the time (limit {WRITER_HEADROOM:.0%})")
-    if pending > m.memory_bytes / 2 * slack:
+    if r["writer"]:
+        violations.append(f"writer busy {r['rho']:.0%} of the time (limit {WRITER_HEADROOM:.0%})")
+    if r["pending"]:
         violations.append("a segment's records exceed half of max_pending_bytes")
-    # The gradient copies (record_s) are paid whatever the settings: when they alone exceed the
-    # budget, the budget cannot be met and only the expected loss decides.
-    if overhead_s / T > o.max_overhead * slack and m.record_s / T < o.max_overhead:
-        violations.append(f"overhead {overhead_s / T:.1%} > max_overhead {o.max_overhead:.1%}")
-    if o.rto_s is not None and worst > o.rto_s * slack:
-        violations.append(f"worst-case recovery {worst:.0f}s > rto_s {o.rto_s:.0f}s")
-    loss = overhead_s / T + (lost + recovery) / o.mtbf_s
-    peak = pending + (m.base_bytes + backlog if s.base_every_n_steps is not None else 0.0)
-    return Estimate(s, overhead_s / T, lost, recovery, worst, rho, peak, loss, tuple(violations))
+    if r["budget"]:
+        violations.append(f"overhead {r['overhead']:.1%} > max_overhead {o.max_overhead:.1%}")
+    if r["rto"]:
+        violations.append(f"worst-case recovery {r['worst']:.0f}s > rto_s {o.rto_s:.0f}s")
+    return Estimate(s, r["overhead"], r["lost"], r["recovery"], r["worst"], r["rho"], r["memory"], r["loss"],
+                    tuple(violations))
 
 
 @dataclass(frozen=True)
@@ -231,6 +257,8 @@ class AutoTuner:
     every_n_steps: int | str = AUTO
     write_batch: int | str = AUTO
     base_every_n_steps: int | None | str = AUTO
+    _grid: tuple[list[Settings], tuple[np.ndarray, np.ndarray, np.ndarray]] | None = field(
+        default=None, init=False, repr=False, compare=False)
 
     def candidates(self) -> list[Settings]:
         n_fixed, b_fixed, m_fixed = (v != AUTO for v in (self.every_n_steps, self.write_batch,
@@ -258,8 +286,17 @@ class AutoTuner:
         """Pick the settings with the least expected loss among those meeting every constraint
         (or, if none does, the one with the fewest and mildest violations), and keep ``current``
         unless it breaks a constraint the choice meets or loses ``HYSTERESIS`` more."""
-        estimates = [expected_loss(s, m, self.options) for s in self.candidates()]
-        best = min(estimates, key=_rank)
+        if self._grid is None:
+            candidates = self.candidates()
+            self._grid = (candidates, _arrays(candidates))
+        candidates, arrays = self._grid
+        r = _model(*arrays, m, self.options, 1.0)
+        count = r["writer"].astype(int) + r["pending"] + r["budget"] + r["rto"]
+        # Feasible first, by expected loss; among infeasible ones, fewer violations, then the
+        # least expected loss with the writer's excess counted as stall (a writer that cannot
+        # keep up makes training wait), then the least overhead.
+        score = np.where(count == 0, r["loss"], r["loss"] + np.maximum(0.0, r["rho"] - WRITER_HEADROOM))
+        best = expected_loss(candidates[int(np.lexsort((r["overhead"], score, count))[0])], m, self.options)
         if current is None:
             return Decision(best.settings, best, None, True, "first choice")
         now = expected_loss(current, m, self.options, slack=1 + HYSTERESIS)
@@ -272,14 +309,6 @@ class AutoTuner:
         else:
             reason = "; ".join(now.violations)
         return Decision(best.settings, best, now, True, reason)
-
-
-def _rank(e: Estimate) -> tuple[int, float, float]:
-    # Feasible first; among infeasible ones, fewer violations, then the least expected loss
-    # (with the writer's excess counted as stall: a writer that cannot keep up makes training wait).
-    if e.feasible:
-        return (0, e.loss, 0.0)
-    return (len(e.violations), e.loss + max(0.0, e.writer_utilization - WRITER_HEADROOM), e.overhead)
 
 
 def tuning_metrics(decision: Decision, m: Measurements) -> dict[str, float]:
