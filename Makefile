@@ -34,6 +34,7 @@ bench: $(VENV)/.installed-bench
 	$(BIN)/python bench/convergence.py --threads 1
 	$(BIN)/python bench/accelerate_loop.py --threads 1
 	$(BIN)/python bench/autotune.py --threads 1
+	$(BIN)/python bench/autotune.py --threads 1 --backend slow --latency 0.05
 
 clean:
 	rm -rf $(VENV) build *.egg-info
