@@ -208,7 +208,7 @@ class CheckpointEngine:
     def _apply(self, settings: Settings) -> None:
         self.settings = settings
         if self.writer is not None:
-            self.writer.write_batch = settings.write_batch
+            self.writer.retarget(settings.write_batch)
 
     def _save_decisions(self) -> None:
         writer = self.writer

@@ -63,8 +63,9 @@ class BackgroundWriter:
         self.gen = gen
         self.options = options
         self.meter = meter
-        # Records per segment; the auto-tuner may change it while training runs.
+        # Records per segment; the auto-tuner changes it through retarget() while training runs.
         self.write_batch = write_batch if write_batch is not None else int(options.write_batch)
+        self._cut_next = False
         self.stats = WriterStats()
         self.durable_step: int | None = None
         self.last_step = after  # newest step handed to the writer
@@ -95,6 +96,14 @@ class BackgroundWriter:
     def put_base(self, step: int, tree: dict[str, Any], params: list[torch.Tensor], nbytes: int) -> None:
         """Queue a full base; ``params`` are the copied parameters to fingerprint."""
         self._put("base", (step, tree, params), nbytes)
+
+    def retarget(self, write_batch: int) -> None:
+        """Take a new ``write_batch`` (the auto-tuner's) from the next record queued on.
+
+        The first restorable record after it cuts a segment whatever is pending, so segments line
+        up with the new restorable steps at once: records left pending from the old settings
+        would otherwise stretch the first segment to nearly twice its size."""
+        self._put("retarget", write_batch, 0)  # in order: records queued before keep the old rule
 
     def call(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the writer thread after everything queued before it is durable."""
@@ -245,6 +254,8 @@ class BackgroundWriter:
             item()
         elif kind == "flush":
             self._write_segment()
+        elif kind == "retarget":
+            self.write_batch, self._cut_next = item, True
 
     def _add_record(self, record: dict[str, Any]) -> None:
         buffers = record.get("buffers") or {}
@@ -257,7 +268,8 @@ class BackgroundWriter:
         if params is not None:
             record["fingerprint"] = fingerprint(params)
         self._pending.append(record)
-        if len(self._pending) >= self.write_batch and record.get("state") is not None:
+        if record.get("state") is not None and (self._cut_next or len(self._pending) >= self.write_batch):
+            self._cut_next = False
             self._write_segment()
 
     def _write_segment(self) -> None:

@@ -57,15 +57,14 @@ def child(args: argparse.Namespace) -> None:
     if args.child == "train":
         from lightning_ckpt import DiffCheckpoint, DiffCheckpointIO
 
-        callbacks.append(
-            DiffCheckpoint(
-                args.run_dir,
-                every_n_steps=1,
-                write_batch=args.write_batch,
-                base_every_n_steps=args.base_every,
-                codec=codec,
-            )
-        )
+        if args.auto:  # the tuner measures this run and picks all three
+            from diffckpt import TuningOptions
+
+            knobs: dict[str, Any] = dict.fromkeys(("every_n_steps", "write_batch", "base_every_n_steps"), "auto")
+            knobs["tuning"] = TuningOptions(mtbf_s=args.mtbf)
+        else:
+            knobs = {"every_n_steps": 1, "write_batch": args.write_batch, "base_every_n_steps": args.base_every}
+        callbacks.append(DiffCheckpoint(args.run_dir, codec=codec, **knobs))
         plugins.append(DiffCheckpointIO())
     elif codec is not None:  # the same compressed training, without checkpoints
         from lightning_ckpt.compression import GradientCompression
@@ -143,6 +142,9 @@ def spawn(
         str(args.threads),
         "--codec",
         args.codec,
+        "--mtbf",
+        str(args.mtbf),
+        *(["--auto"] if args.auto else []),
     ]
     env = dict(
         os.environ,
@@ -244,7 +246,8 @@ def parent(args: argparse.Namespace) -> int:
             if ref["rc"] != 0:
                 fail(f"reference run exited with {ref['rc']}", log_path)
             print(
-                f"[2/3] run with DiffCheckpoint every step; SIGKILL at step {kill_at} ...",
+                f"[2/3] run with DiffCheckpoint{' (settings on auto)' if args.auto else ' every step'}; "
+                f"SIGKILL at step {kill_at} ...",
                 flush=True,
             )
             crashed = watch(
@@ -292,7 +295,8 @@ def parent(args: argparse.Namespace) -> int:
                 "resumed from step (newest durable)",
                 f"{start}" + ("" if start == durable else f"  (but the store said {durable}!)"),
             ),
-            ("steps lost", f"{kill_at - start}  (write_batch={args.write_batch})"),
+            ("steps lost", f"{kill_at - start}  " + (
+                "(settings auto-tuned)" if args.auto else f"(write_batch={args.write_batch})")),
             ("resumed run (replay + rest)", f"{resumed['FIT_SECONDS']:.1f} s"),
             (
                 "on storage: bases + diffs",
@@ -314,6 +318,14 @@ def parent(args: argparse.Namespace) -> int:
                     f"{mb(diff_bytes / diff_steps)}  "
                     f"({100 * diff_bytes / diff_steps / one_full:.1f}% of a full checkpoint)"
                 ),
+            ),
+            *(
+                (f"auto-tuned (g{gen}, MTBF {args.mtbf:.0f} s)", "; ".join(
+                    f"step {d['step']}: every_n_steps={d['settings']['every_n_steps']} write_batch="
+                    f"{d['settings']['write_batch']} base_every_n_steps={d['settings']['base_every_n_steps']} "
+                    f"(expected loss {100 * d['expected_loss']:.2f}% of training time)"
+                    for d in store.tuning_log(gen)))
+                for gen in sorted(inv.sessions) if store.tuning_log(gen)
             ),
             (
                 "tensors compared with torch.equal",
@@ -358,6 +370,9 @@ def main() -> None:
         help="compressed training: TopK(0.01), PowerSGD(4, error_feedback=False) or "
         "LowPrecision('bf16'); the diffs are the payloads (default: none, exact dense diffs)",
     )
+    ap.add_argument("--auto", action="store_true",
+                    help='every_n_steps, write_batch and base_every_n_steps="auto" (the tuner picks them)')
+    ap.add_argument("--mtbf", type=float, default=1800.0, help="with --auto: the MTBF in seconds (default 1800)")
     ap.add_argument("--run-dir", help="keep the run here (default: a temp dir, removed at the end)")
     ap.add_argument("--child", choices=["ref", "train"], help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)

@@ -1,0 +1,99 @@
+"""The engine with settings on "auto": reviews, decisions on storage, segments that follow the
+settings in force, the storage probe, and exact restores (no framework)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from engine_runs import assert_state, make, restore, snapshot
+
+from diffckpt import CheckpointEngine, CheckpointOptions, TuningOptions
+from diffckpt.engine import WARMUP_STEPS
+from diffckpt.store import RunStore
+from diffckpt.tuning import Settings
+
+
+def _train_auto(root: Path, steps: int, drive: Any = None, **options: Any) -> tuple[CheckpointEngine, dict]:
+    """Train as an adapter does: review when due, then record (state at restorable steps) and
+    base when the settings in force say so. ``drive(engine, step)`` may intervene first."""
+    import torch
+
+    module, optimizers = make()
+    engine = CheckpointEngine(str(root), CheckpointOptions(**{
+        "every_n_steps": "auto", "write_batch": "auto", "base_every_n_steps": "auto",
+        "tuning": TuningOptions(mtbf_s=60, retune_every_n_steps=10, max_overhead=0.5), **options}))
+    engine.start(module, optimizers, 0)
+    truth = {0: snapshot(module, optimizers, 0)}
+    engine.write_base(0, module.state_dict(), [o.state_dict() for o in optimizers], {"x": 0})
+    for step in range(1, steps + 1):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        for o in optimizers:
+            o.zero_grad()
+        module(x).pow(2).mean().backward()
+        for o in optimizers:
+            o.step()
+        truth[step] = snapshot(module, optimizers, step)
+        if drive is not None:
+            drive(engine, step)
+        elif engine.review_due(step):
+            engine.review(step)
+        state = {"x": step} if engine.wants_state(step) else None
+        engine.record_step(step, state)
+        if engine.wants_base(step):
+            engine.write_base(step, module.state_dict(), [o.state_dict() for o in optimizers], {"x": step})
+    engine.close()
+    return engine, truth
+
+
+def test_first_review_after_warmup_is_recorded_with_its_measurements(tmp_path):
+    engine, truth = _train_auto(tmp_path / "run", 60)
+    store = RunStore(engine.storage)
+    log = store.tuning_log(1)
+    assert log and log[0]["step"] == WARMUP_STEPS and log[0]["reason"] == "first choice"
+    m = log[0]["measurements"]
+    assert m["step_s"] > 0 and m["record_bytes"] > 0 and m["bandwidth_bps"] > 0 and m["base_bytes"] > 0
+    assert engine.settings.as_dict() == log[-1]["settings"]
+    # The probe cleaned up after itself.
+    assert not list((tmp_path / "run").glob("_probe/*"))
+    # The newest durable step (and every restorable one) replays to the truth.
+    result, module, optimizers = restore(tmp_path / "run")
+    assert_state(truth, result, module, optimizers)
+
+
+def test_segments_follow_the_settings_in_force_from_the_next_restorable_step(tmp_path):
+    """After a change, the next restorable step cuts a segment, so durable steps are at most one
+    new interval apart at once (not nearly two, from records left pending)."""
+    changes = {12: Settings(5, 5, 100), 31: Settings(7, 7, 100)}
+
+    def drive(engine: CheckpointEngine, step: int) -> None:
+        if step in changes:
+            engine.adopt(changes[step], next_review=10**9)
+
+    engine, truth = _train_auto(tmp_path / "run", 50, drive=drive, tuning=TuningOptions(retune_every_n_steps=10**6))
+    inv = RunStore(engine.storage).inventory()
+    ends = sorted(s.last for s in inv.segments)
+    # Before step 12 the starting settings (1, 8) cut at 8; the record of step 12 has no state
+    # under every 5, so the first cut after the change is at 15, then every 5 until 31 changes
+    # it: the next multiple of 7 (35) cuts, then every 7 (42, 49); close() writes the rest.
+    assert [e for e in ends if e <= 49] == [8, 15, 20, 25, 30, 35, 42, 49], ends
+    for step in (15, 30, 35, 49):
+        result, module, optimizers = restore(tmp_path / "run", step)
+        assert_state(truth, result, module, optimizers)
+
+
+def test_fixed_knobs_stay_as_given(tmp_path):
+    engine, _ = _train_auto(tmp_path / "run", 40, every_n_steps=4, base_every_n_steps=20)
+    assert engine.settings.every_n_steps == 4 and engine.settings.base_every_n_steps == 20
+    log = RunStore(engine.storage).tuning_log(1)
+    assert log and all(d["settings"]["every_n_steps"] == 4 for d in log)
+
+
+@pytest.mark.parametrize("knob", ["every_n_steps", "write_batch", "base_every_n_steps"])
+def test_auto_is_accepted_per_knob_and_other_strings_are_refused(knob):
+    assert CheckpointOptions(**{knob: "auto"}).auto
+    with pytest.raises(ValueError, match="'auto'"):
+        CheckpointOptions(**{knob: "fast"})
+    with pytest.raises(ValueError, match="positive integer"):
+        CheckpointOptions(fingerprint_every_n_steps="auto")  # not a tuned knob
