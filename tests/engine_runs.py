@@ -39,9 +39,11 @@ def snapshot(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
 
 
 def train_steps(engine: CheckpointEngine, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
-                first: int, last: int, truth: dict[int, dict[str, Any]], every: int = 1) -> None:
+                first: int, last: int, truth: dict[int, dict[str, Any]], every: int | None = 1,
+                before_record: Callable[[CheckpointEngine, int], None] | None = None) -> None:
     """Train steps ``first..last`` (inclusive), recording each one; steps not divisible by
-    ``every`` are not restorable points."""
+    ``every`` are not restorable points (``None``: those the engine's settings say, as an
+    adapter asks). ``before_record(engine, step)`` runs before each record."""
     for step in range(first, last + 1):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
         for o in optimizers:
@@ -50,7 +52,10 @@ def train_steps(engine: CheckpointEngine, module: torch.nn.Module, optimizers: l
         for o in optimizers:
             o.step()
         truth[step] = snapshot(module, optimizers, step)
-        engine.record_step(step, {"x": step} if step % every == 0 else None)
+        if before_record is not None:
+            before_record(engine, step)
+        restorable = engine.wants_state(step) if every is None else step % every == 0
+        engine.record_step(step, {"x": step} if restorable else None)
         if engine.wants_base(step):
             engine.write_base(step, module.state_dict(), [o.state_dict() for o in optimizers], {"x": step})
 

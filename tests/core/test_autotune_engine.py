@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_runs import assert_state, make, restore, snapshot
+from engine_runs import assert_state, make, restore, snapshot, train_steps
 
 from diffckpt import CheckpointEngine, CheckpointOptions, TuningOptions
 from diffckpt.engine import WARMUP_STEPS
@@ -15,11 +15,14 @@ from diffckpt.store import RunStore
 from diffckpt.tuning import Settings
 
 
-def _train_auto(root: Path, steps: int, drive: Any = None, **options: Any) -> tuple[CheckpointEngine, dict]:
-    """Train as an adapter does: review when due, then record (state at restorable steps) and
-    base when the settings in force say so. ``drive(engine, step)`` may intervene first."""
-    import torch
+def _review_when_due(engine: CheckpointEngine, step: int) -> None:
+    if engine.review_due(step):
+        engine.review(step)
 
+
+def _train_auto(root: Path, steps: int, drive: Any = _review_when_due, **options: Any) -> tuple[CheckpointEngine, dict]:
+    """Train as an adapter does: ``drive(engine, step)`` (by default a review when one is due),
+    then record (with state at restorable steps) and base when the settings in force say so."""
     module, optimizers = make()
     engine = CheckpointEngine(str(root), CheckpointOptions(**{
         "every_n_steps": "auto", "write_batch": "auto", "base_every_n_steps": "auto",
@@ -27,22 +30,7 @@ def _train_auto(root: Path, steps: int, drive: Any = None, **options: Any) -> tu
     engine.start(module, optimizers, 0)
     truth = {0: snapshot(module, optimizers, 0)}
     engine.write_base(0, module.state_dict(), [o.state_dict() for o in optimizers], {"x": 0})
-    for step in range(1, steps + 1):
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
-        for o in optimizers:
-            o.zero_grad()
-        module(x).pow(2).mean().backward()
-        for o in optimizers:
-            o.step()
-        truth[step] = snapshot(module, optimizers, step)
-        if drive is not None:
-            drive(engine, step)
-        elif engine.review_due(step):
-            engine.review(step)
-        state = {"x": step} if engine.wants_state(step) else None
-        engine.record_step(step, state)
-        if engine.wants_base(step):
-            engine.write_base(step, module.state_dict(), [o.state_dict() for o in optimizers], {"x": step})
+    train_steps(engine, module, optimizers, 1, steps, truth, every=None, before_record=drive)
     engine.close()
     return engine, truth
 
