@@ -72,12 +72,11 @@ import warnings
 from typing import Any
 
 import torch
-from torch.nn import functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
 
-from gpt import GPT, SIZES, make_loader
+from gpt import GPT, SIZES, make_loader, plain_step
 from provenance import header, report_path, write_report
 
 from diffckpt import CheckpointEngine, CheckpointOptions, FsspecStorage, TuningOptions
@@ -201,7 +200,6 @@ def run_once(config: tuple, args: argparse.Namespace, steps: int, warmup: int,
              restore: bool = False) -> dict[str, Any]:
     """Train ``steps`` steps under ``config``; see the module docstring for what is measured."""
     torch.manual_seed(0)
-    cfg = SIZES[args.size]
     model, opt, sched = new_model(args, steps)
     data = batches(args.size)
     engine = storage = writer = None
@@ -224,13 +222,7 @@ def run_once(config: tuple, args: argparse.Namespace, steps: int, warmup: int,
                 in_engine = in_review = hooks = 0.0
                 reviews = 0
             batch = next(data)
-            x, y = batch[:, :-1], batch[:, 1:]
-            opt.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(x).reshape(-1, cfg.vocab), y.reshape(-1))
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), model.hparams.clip)
-            opt.step()
-            sched.step()
+            plain_step(model, opt, sched, batch)
             if engine is None:
                 continue
             step_end[step], cpu_in = time.perf_counter(), time.thread_time()

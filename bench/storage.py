@@ -59,12 +59,11 @@ import warnings
 from typing import Any
 
 import torch
-from torch.nn import functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
 
-from gpt import GPT, SIZES, make_loader
+from gpt import GPT, SIZES, make_loader, plain_step
 from provenance import header, report_path, write_report
 
 from diffckpt import CheckpointEngine, CheckpointOptions, FsspecStorage
@@ -204,7 +203,6 @@ def run_once(config: tuple[str, int, str] | None, args: argparse.Namespace, step
              warmup: int, s3: S3 | None) -> dict[str, Any]:
     """Train ``steps`` steps; ``config``: (backend, write_batch, compression), None: baseline."""
     torch.manual_seed(0)
-    cfg = SIZES[args.size]
     model = GPT(args.size, total_steps=steps)
     conf = model.configure_optimizers()
     opt, sched = conf["optimizer"], conf["lr_scheduler"]["scheduler"]
@@ -240,13 +238,7 @@ def run_once(config: tuple[str, int, str] | None, args: argparse.Namespace, step
             if step == warmup + 1:
                 t0, cpu0 = time.perf_counter(), time.process_time()
             batch = next(data)
-            x, y = batch[:, :-1], batch[:, 1:]
-            opt.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(x).reshape(-1, cfg.vocab), y.reshape(-1))
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), model.hparams.clip)
-            opt.step()
-            sched.step()
+            plain_step(model, opt, sched, batch)
             if engine is not None:
                 engine.record_step(step, state_of(step, sched))
                 if engine.wants_base(step):

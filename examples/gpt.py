@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import lightning as L
 import torch
@@ -139,6 +140,19 @@ class GPT(L.LightningModule):
             pct_start=max(0.1, 3 / self.hparams.total_steps),  # a warm-up phase in short runs too
         )
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def plain_step(model: GPT, opt: torch.optim.Optimizer, sched: Any, batch: torch.Tensor) -> torch.Tensor:
+    """One optimizer step of ``model`` in a plain PyTorch loop (no Trainer), as the benchmarks
+    drive it: next-token loss, backward, clipping, the optimizer and scheduler steps."""
+    x, y = batch[:, :-1], batch[:, 1:]
+    opt.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(x).reshape(-1, model.cfg.vocab), y.reshape(-1))
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), model.hparams.clip)
+    opt.step()
+    sched.step()
+    return loss
 
 
 def make_dataset(size: str = "demo", seed: int = 0) -> torch.Tensor:
