@@ -240,12 +240,12 @@ class DiffCheckpointer:
         engine = self.engine
         decision = engine.review(step) if self.is_writer else None
         if self.accelerator.num_processes > 1:
-            shared = [(engine.settings, engine.next_review) if self.is_writer else None]
+            shared = [(engine.settings, engine.tuning.next_review) if self.is_writer else None]
             torch.distributed.broadcast_object_list(shared, src=0)
             if not self.is_writer:
                 engine.adopt(*shared[0])
-        if decision is not None and engine.last_review is not None and self.accelerator.trackers:
-            self.accelerator.log(tuning_metrics(*engine.last_review), step=step)
+        if decision is not None and engine.tuning.last_review is not None and self.accelerator.trackers:
+            self.accelerator.log(tuning_metrics(*engine.tuning.last_review), step=step)
 
     def _write_base(self, step: int, state: Any, codec_states: list[dict[str, Any]] | None) -> None:
         self.engine.write_base(step, self.module.state_dict(), [o.state_dict() for o in self.optimizers],

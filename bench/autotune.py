@@ -249,13 +249,13 @@ def run_once(config: tuple, args: argparse.Namespace, steps: int, warmup: int,
                                "in_review": in_review, "reviews": reviews}
         if engine is None or storage is None or writer is None:
             return out
-        changed = max([d["step"] for d in engine.decisions], default=0)
+        changed = max([d["step"] for d in engine.tuning.decisions], default=0)
         lags = [t - step_end[s] for s, t in sorted(storage.durable_at.items())
                 if s in step_end and s > max(warmup, changed)]
-        meter = engine.meter
+        meter = engine.tuning.meter
         out.update(
             stall=writer.stats.stall_seconds, settings=engine.settings,
-            decisions=list(engine.decisions), last_review=engine.last_review,
+            decisions=list(engine.tuning.decisions), last_review=engine.tuning.last_review,
             update_s=None if meter is None else meter.update_s.get(),
             lags=lags, durable_steps=sorted(storage.durable_at), bytes=dict(storage.bytes),
             base_sizes=dict(storage.base_sizes),
@@ -429,7 +429,7 @@ def render(rows: list[dict[str, Any]], results: dict[tuple, list[dict[str, Any]]
         lines.append(f"- MTBF {m}: best fixed is {bf['label']} with {pct(bf['J'][m])} "
                      f"[{bd['label']} with {pct(bd['J_direct'][m])}]; auto " + "; ".join(parts))
     lines += ["", "What the tuner chose, every decision, and the measurements behind its last "
-              "review (`engine.last_review`), next to what this bench measured:", ""]
+              "review (`engine.tuning.last_review`), next to what this bench measured:", ""]
     for config, runs in results.items():
         if config[0] != "auto":
             continue

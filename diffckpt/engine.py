@@ -10,35 +10,30 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
-import math
 import os
 import socket
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from .autotune import OnlineTuning
 from .capture import StepCapture, clone_tree, group_hyperparams, tree_nbytes
 from .compression import GradientCompressor
 from .errors import DiffCkptError
-from .measure import Meter, probe_storage
 from .options import CheckpointOptions
 from .policies import IntervalPolicy, StepContext
 from .replay import ReplayResult, replay
 from .retry import unwrap
 from .storage import Storage, open_storage
-from .store import RunStore, tuning_path
-from .tuning import AUTO, AutoTuner, Decision, Measurements, Settings, describe
+from .store import RunStore
+from .tuning import Decision, Settings
 from .writer import BackgroundWriter
 
 __all__ = ["CheckpointEngine"]
 
 log = logging.getLogger("diffckpt")
-WARMUP_STEPS = 10  # the tuner's first review comes this many steps into a session
-REVIEW_BUDGET = 0.001  # the tuner's reviews may take at most this share of training time
 
 
 class CheckpointEngine:
@@ -63,22 +58,7 @@ class CheckpointEngine:
         self._last_base = 0
         self._buffer_names: list[str] = []
         self._durable: int | None = None
-        o = self.options
-        self.settings = Settings(
-            every_n_steps=1 if o.every_n_steps == AUTO else int(o.every_n_steps),
-            write_batch=8 if o.write_batch == AUTO else int(o.write_batch),
-            base_every_n_steps=500 if o.base_every_n_steps == AUTO else o.base_every_n_steps)  # type: ignore[arg-type]
-        self.tuner = AutoTuner(o.tuning, o.every_n_steps, o.write_batch, o.base_every_n_steps) if o.auto else None
-        self.meter: Meter | None = None
-        self.decisions: list[dict[str, Any]] = []  # the tuner's changes in this session
-        self.last_review: tuple[Decision, Measurements] | None = None
-        self._tuned = False
-        self._next_review = 0
-        self._session_start = 0
-        self._restore_timing: tuple[float, float | None] | None = None
-        self._mark: float | None = None  # end of the previous checkpoint call on the training thread
-        self._state_s = 0.0  # adapter time spent building state since the previous record
-        self._aside_s = 0.0  # other checkpoint work since the previous record (tuner reviews)
+        self.tuning = OnlineTuning(self.options)
 
     @property
     def storage_is_local(self) -> bool:
@@ -110,122 +90,52 @@ class CheckpointEngine:
                 "optimizers": [f"{type(o).__module__}.{type(o).__qualname__}" for o in optimizers],
                 "parameters": [[k, list(p.shape)] for k, p in params.items()],
                 "codec": None if compressor is None else compressor.codec.config(), **(meta or {})}
-        if self._restore_timing is not None:
-            body["restore_timing"] = {"base_load_s": self._restore_timing[0],
-                                      "replay_step_s": self._restore_timing[1]}
+        if self.tuning.restore_timing is not None:
+            load_s, replay_s = self.tuning.restore_timing
+            body["restore_timing"] = {"base_load_s": load_s, "replay_step_s": replay_s}
         gen = self.store.start_session(body)
         self.module = module
-        self.meter = Meter(self.options.max_pending_bytes) if self.tuner is not None else None
-        self.writer = BackgroundWriter(self.store, gen, self.options, after=step, meter=self.meter,
-                                       write_batch=self.settings.write_batch)
-        if self.meter is not None:
-            meter, storage = self.meter, self.writer.storage
-            if self._restore_timing is not None:
-                meter.add_restore(*self._restore_timing)
-            self.writer.call(lambda: meter.add_probe(probe_storage(storage, repeats=1, on_sample=meter.add_write)))
-            self.decisions, self._tuned = [], False
-        self._prev_step = self._last_base = self._session_start = step
-        self._next_review = step + WARMUP_STEPS
-        self._mark, self._state_s, self._aside_s = None, 0.0, 0.0
+        self.writer = BackgroundWriter(self.store, gen, self.options, after=step,
+                                       write_batch=self.tuning.settings.write_batch)
+        self.tuning.start(step, self.writer, self._base_bytes_now)
+        self._prev_step = self._last_base = step
         return gen
 
     def _context(self, step: int) -> StepContext:
-        s = self.settings
+        s = self.tuning.settings
         return StepContext(step, self._last_base, s.every_n_steps, s.base_every_n_steps,
                            self.options.fingerprint_every_n_steps)
 
     # ------------------------------------------------------------------- tuning
-    def review_due(self, step: int) -> bool:
-        """Whether the auto-tuner reviews its settings at ``step``.
+    @property
+    def settings(self) -> Settings:
+        """``every_n_steps``, ``write_batch`` and ``base_every_n_steps`` in force (the tuner's
+        choice for those on ``"auto"``)."""
+        return self.tuning.settings
 
-        A function of the step alone, so every DDP rank agrees; the writer calls :meth:`review`,
-        the others :meth:`adopt` what it chose (the adapter broadcasts it).
-        """
-        return self.tuner is not None and step >= self._next_review
+    def review_due(self, step: int) -> bool:
+        """Whether the auto-tuner reviews its settings at ``step`` (the same on every DDP rank):
+        the writer then calls :meth:`review`, the other ranks :meth:`adopt` what it chose."""
+        return self.tuning.review_due(step)
 
     def review(self, step: int) -> Decision | None:
-        """Let the tuner look at the measurements and apply what it decides (writer only).
-
-        Returns the decision (``None`` while measurements are not ready). A change is logged and
-        recorded in the session's ``tuning.json``, which ``diffckpt ls`` shows.
-        """
-        if self.tuner is None:
-            return None
-        started = time.perf_counter()
-        self._next_review = step + self.options.tuning.retune_every_n_steps
-        m = self.meter.snapshot(step - self._session_start, self._base_bytes_now()) if self.meter else None
-        if m is None:
-            return None
-        try:
-            return self._decide(step, m)
-        finally:
-            # Reviews are not training time, and they may take at most REVIEW_BUDGET of it: with
-            # fast steps they come further apart than retune_every_n_steps.
-            spent = time.perf_counter() - started
-            self._aside_s += spent
-            if m.step_s > 0:
-                self._next_review = step + max(self.options.tuning.retune_every_n_steps,
-                                               math.ceil(spent / (REVIEW_BUDGET * m.step_s)))
-
-    def _base_bytes_now(self) -> int | None:
-        """Bytes of model and optimizer state a base would copy now."""
-        if self.module is None or self.capture is None:
-            return None
-        return tree_nbytes(self.module.state_dict()) + sum(
-            tree_nbytes(o.state_dict()["state"]) for o in self.capture.optimizers)
-
-    @property
-    def next_review(self) -> int:
-        """The step of the next review (DDP: rank 0 sends it with the settings)."""
-        return self._next_review
-
-    def _decide(self, step: int, m: Measurements) -> Decision:
-        assert self.tuner is not None
-        first = not self._tuned
-        decision = self.tuner.decide(m, None if first else self.settings)
-        self._tuned = True
-        self.last_review = (decision, m)
-        if first or decision.settings != self.settings:
-            old = self.settings
-            self._apply(decision.settings)
-            log.info("diffckpt: auto-tuned at step %d: %s (%s; expected loss %.3f%% of training time: overhead "
-                     "%.2f%%, %.1fs lost and %.1fs recovery per failure). Measured: %s", step,
-                     ", ".join(f"{k} {getattr(old, k)} -> {v}" for k, v in decision.settings.as_dict().items()
-                               if getattr(old, k) != v), decision.reason, 100 * decision.estimate.loss,
-                     100 * decision.estimate.overhead, decision.estimate.lost_work_s,
-                     decision.estimate.recovery_s, describe(m))
-            self.decisions.append({"step": step, "settings": decision.settings.as_dict(), "reason": decision.reason,
-                                   "expected_loss": decision.estimate.loss, "measurements": m.as_dict()})
-            self._save_decisions()
-        return decision
+        """Let the auto-tuner review the measurements and apply what it decides (writer only)."""
+        return self.tuning.review(step)
 
     def adopt(self, settings: Settings, next_review: int) -> None:
-        """Take the settings the writer's tuner chose and its next review step (DDP ranks other
-        than 0)."""
-        self._next_review = next_review
-        self._apply(settings)
+        """Take the writer's settings and its next review step (DDP ranks other than 0)."""
+        self.tuning.adopt(settings, next_review)
 
-    def _apply(self, settings: Settings) -> None:
-        self.settings = settings
-        if self.writer is not None:
-            self.writer.retarget(settings.write_batch)
-
-    def _save_decisions(self) -> None:
-        writer = self.writer
-        if writer is None:
-            return
-        body = json.dumps({"gen": writer.gen, "decisions": list(self.decisions)}, indent=1).encode()
-        path, storage = tuning_path(writer.gen), writer.storage
-        writer.call(lambda: storage.write(path, body))
-
-    @contextlib.contextmanager
-    def measuring_state(self) -> Iterator[None]:
+    def measuring_state(self) -> contextlib.AbstractContextManager[None]:
         """Time the adapter's work to build a restorable step's state, for the tuner."""
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._state_s += time.perf_counter() - start
+        return self.tuning.measuring_state()
+
+    def _base_bytes_now(self) -> int:
+        """Bytes of model and optimizer state a base would copy now."""
+        if self.module is None or self.capture is None:
+            return 0
+        return tree_nbytes(self.module.state_dict()) + sum(
+            tree_nbytes(o.state_dict()["state"]) for o in self.capture.optimizers)
 
     def wants_state(self, step: int) -> bool:
         """Whether ``step`` is a restorable point, so the caller should pass its state."""
@@ -237,8 +147,8 @@ class CheckpointEngine:
     def join(self, step: int) -> None:
         """Keep the clock of a process that does not write (DDP ranks other than 0) from a
         session that starts at ``step``, as :meth:`start` does for the writer."""
-        self._prev_step = self._last_base = self._session_start = step
-        self._next_review = step + WARMUP_STEPS
+        self._prev_step = self._last_base = step
+        self.tuning.join(step)
 
     def follow(self, step: int, base: bool) -> None:
         """Keep the step/base clock of a process that does not write (DDP ranks other than 0), so
@@ -282,17 +192,9 @@ class CheckpointEngine:
         stalled = writer.stats.stall_seconds
         writer.put_record(record, nbytes)
         self._prev_step = step
-        if self.meter is not None:
-            done = time.perf_counter()
-            stalled = writer.stats.stall_seconds - stalled
-            if state is not None:
-                self.meter.add_state(self._state_s + state_s)
-            if self._mark is not None:  # training time since the previous call, checkpointing taken out
-                self.meter.add_step(entered - self._mark - self._state_s - self._aside_s - copy_s,
-                                    copy_s + (done - entered) - state_s - stalled, step_bytes)
-            if events:
-                self.meter.add_update(update_s)
-            self._mark, self._state_s, self._aside_s = done, 0.0, 0.0
+        self.tuning.note_record(entered, time.perf_counter(), copy_s=copy_s, update_s=update_s,
+                                state_s=None if state is None else state_s,
+                                stalled=writer.stats.stall_seconds - stalled, record_bytes=step_bytes)
 
     def write_base(self, step: int, model_state: dict[str, Any], optimizer_states: list[dict[str, Any]],
                    state: Any, codec_states: list[dict[str, torch.Tensor]] | None = None) -> None:
@@ -313,11 +215,8 @@ class CheckpointEngine:
         stalled = writer.stats.stall_seconds
         writer.put_base(step, tree, [tree["model"][n] for n in names], tree_nbytes(tree))
         self._last_base = step
-        if self.meter is not None:
-            done = time.perf_counter()
-            self.meter.add_base_capture(done - start - (writer.stats.stall_seconds - stalled), tree_nbytes(tree))
-            if self._mark is not None:
-                self._mark = done
+        done = time.perf_counter()
+        self.tuning.note_base(done - start - (writer.stats.stall_seconds - stalled), tree_nbytes(tree), done)
 
     def flush(self, timeout: float | None = None) -> int | None:
         """Block until everything captured is durable; return the durable step.
@@ -397,7 +296,7 @@ class CheckpointEngine:
         with ctx, compressor.paused() if compressor else contextlib.nullcontext():
             result = replay(self.store, plan, module, optimizers, verify=verify, loaded=(info, base))
         replayed = time.perf_counter() - loaded
-        self._restore_timing = (loaded - start, replayed / result.replayed if result.replayed else None)
+        self.tuning.note_restore(loaded - start, replayed / result.replayed if result.replayed else None)
         if compressor is not None:
             if result.codec_config != compressor.codec.config():  # another codec, or none, trained
                 compressor.restore(None, {})

@@ -264,12 +264,12 @@ class DiffCheckpoint(ModelCheckpoint):
         engine = self.engine
         decision = engine.review(step) if self.is_writer else None
         if trainer.world_size > 1:
-            shared = [(engine.settings, engine.next_review) if self.is_writer else None]
+            shared = [(engine.settings, engine.tuning.next_review) if self.is_writer else None]
             torch.distributed.broadcast_object_list(shared, src=0)
             if not self.is_writer:
                 engine.adopt(*shared[0])
-        if decision is not None and engine.last_review is not None:
-            metrics = tuning_metrics(*engine.last_review)
+        if decision is not None and engine.tuning.last_review is not None:
+            metrics = tuning_metrics(*engine.tuning.last_review)
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
 

@@ -10,7 +10,7 @@ import pytest
 from engine_runs import assert_state, make, restore, snapshot, train_steps
 
 from diffckpt import CheckpointEngine, CheckpointOptions, TuningOptions
-from diffckpt.engine import WARMUP_STEPS
+from diffckpt.autotune import WARMUP_STEPS
 from diffckpt.store import RunStore
 from diffckpt.tuning import Settings
 
