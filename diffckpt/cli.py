@@ -152,7 +152,7 @@ def _every(options: dict[str, Any]) -> str:
     # With every_n_steps > 1, only every n-th step of a durable range is restorable.
     n = options.get("every_n_steps", 1)
     if n == "auto":
-        return " (restorable steps: see auto-tuned)"
+        return " every n (auto-tuned)"
     return f" every {n}" if isinstance(n, int) and n > 1 else ""
 
 

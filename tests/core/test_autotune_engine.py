@@ -20,11 +20,12 @@ def _review_when_due(engine: CheckpointEngine, step: int) -> None:
         engine.review(step)
 
 
-def _train_auto(root: Path, steps: int, drive: Any = _review_when_due, **options: Any) -> tuple[CheckpointEngine, dict]:
+def _train_auto(root: Path | Any, steps: int, drive: Any = _review_when_due, **options: Any
+                ) -> tuple[CheckpointEngine, dict]:
     """Train as an adapter does: ``drive(engine, step)`` (by default a review when one is due),
     then record (with state at restorable steps) and base when the settings in force say so."""
     module, optimizers = make()
-    engine = CheckpointEngine(str(root), CheckpointOptions(**{
+    engine = CheckpointEngine(str(root) if isinstance(root, Path) else root, CheckpointOptions(**{
         "every_n_steps": "auto", "write_batch": "auto", "base_every_n_steps": "auto",
         "tuning": TuningOptions(mtbf_s=60, retune_every_n_steps=10, max_overhead=0.5), **options}))
     engine.start(module, optimizers, 0)
@@ -85,3 +86,47 @@ def test_auto_is_accepted_per_knob_and_other_strings_are_refused(knob):
         CheckpointOptions(**{knob: "fast"})
     with pytest.raises(ValueError, match="positive integer"):
         CheckpointOptions(fingerprint_every_n_steps="auto")  # not a tuned knob
+
+
+class _NoProbes:
+    """A storage that refuses the tuner's probe objects, as a bucket policy might (a fault
+    injected through a storage wrapper): the probe fails, checkpointing must not."""
+
+    def __init__(self, root: str) -> None:
+        from diffckpt import FsspecStorage
+
+        self.inner = FsspecStorage(root)
+        self.url = self.inner.url
+        self.refused = 0
+
+    def write(self, path: str, data: Any) -> None:
+        if path.startswith("_probe/"):
+            self.refused += 1
+            raise PermissionError(13, "writes under _probe/ are not allowed here")
+        self.inner.write(path, data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_refused_probe_only_warns_and_the_tuner_measures_the_checkpoint_writes(tmp_path, caplog):
+    storage = _NoProbes(str(tmp_path / "run"))
+    engine, truth = _train_auto(storage, 40)
+    assert storage.refused == 1
+    assert "could not probe" in caplog.text
+    log = RunStore(engine.storage).tuning_log(1)
+    assert log and log[0]["measurements"]["bandwidth_bps"] > 0
+    result, module, optimizers = restore(tmp_path / "run")
+    assert_state(truth, result, module, optimizers)
+
+
+def test_ls_shows_the_decisions_and_survives_a_damaged_tuning_log(tmp_path, capsys):
+    from diffckpt.cli import main
+
+    engine, _ = _train_auto(tmp_path / "run", 30)
+    assert main(["ls", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "g1 auto-tuned: step 10: every_n_steps=" in out and "tuning.mtbf_s=60" in out
+    (tmp_path / "run" / "sessions" / "g000001.tuning.json").write_text("{not json")
+    assert main(["ls", str(tmp_path / "run")]) == 0
+    assert "g1 auto-tuned:" not in capsys.readouterr().out
