@@ -3,6 +3,7 @@ settings in force, the storage probe, and exact restores (no framework)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,9 @@ def test_first_review_after_warmup_is_recorded_with_its_measurements(tmp_path):
     engine, truth = _train_auto(tmp_path / "run", 60)
     store = RunStore(engine.storage)
     log = store.tuning_log(1)
-    assert log and log[0]["step"] == WARMUP_STEPS and log[0]["reason"] == "first choice"
+    # The first review with a write timed (the session-start probe runs on the writer thread);
+    # without one it looks again a warm-up later.
+    assert log and log[0]["step"] % WARMUP_STEPS == 0 and log[0]["reason"] == "first choice"
     m = log[0]["measurements"]
     assert m["step_s"] > 0 and m["record_bytes"] > 0 and m["bandwidth_bps"] > 0 and m["base_bytes"] > 0
     assert engine.settings.as_dict() == log[-1]["settings"]
@@ -123,10 +126,10 @@ def test_a_refused_probe_only_warns_and_the_tuner_measures_the_checkpoint_writes
 def test_ls_shows_the_decisions_and_survives_a_damaged_tuning_log(tmp_path, capsys):
     from diffckpt.cli import main
 
-    engine, _ = _train_auto(tmp_path / "run", 30)
+    _train_auto(tmp_path / "run", 30)
     assert main(["ls", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out
-    assert "g1 auto-tuned: step 10: every_n_steps=" in out and "tuning.mtbf_s=60" in out
+    assert re.search(r"g1 auto-tuned: step \d+: every_n_steps=\d+", out) and "tuning.mtbf_s=60" in out
     (tmp_path / "run" / "sessions" / "g000001.tuning.json").write_text("{not json")
     assert main(["ls", str(tmp_path / "run")]) == 0
     assert "g1 auto-tuned:" not in capsys.readouterr().out

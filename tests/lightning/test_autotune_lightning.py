@@ -47,14 +47,14 @@ def test_auto_on_local_disk_kill9_resume_is_exact(tmp_path, reference80):
     rc, log = run_script(SCRIPT, ["adamw", str(tmp_path / "crashed.pt"), "--dirpath", run, *AUTO,
                                   "--csv-logger", str(tmp_path / "logs")], kill_at_step=45)
     assert rc == -9, log[-3000:]
-    assert "auto-tuned at step 10" in log, log[-3000:]
+    assert "auto-tuned at step" in log, log[-3000:]
     decisions = _decisions(run)
-    assert decisions and decisions[0]["step"] == 10
+    assert decisions and decisions[0]["step"] % 10 == 0  # the first review with enough measured
     assert {"step_s", "latency_s", "bandwidth_bps", "replay_step_s"} <= set(decisions[0]["measurements"])
-    # Each review went to the Trainer's logger too (written at step 10, 20, 30, 40 before the kill).
+    # Each review went to the Trainer's logger too.
     rows = list(csv.DictReader((tmp_path / "logs" / "metrics.csv").open()))
     reviews = [r for r in rows if r.get("diffckpt/every_n_steps")]
-    assert [int(r["step"]) for r in reviews][:1] == [10], rows[:3]
+    assert [int(r["step"]) for r in reviews][:1] == [decisions[0]["step"]], rows[:3]
     assert int(float(reviews[0]["diffckpt/every_n_steps"])) == decisions[0]["settings"]["every_n_steps"]
     assert float(reviews[0]["diffckpt/measured/step_s"]) > 0 and float(reviews[0]["diffckpt/expected_loss"]) > 0
     rc, log = run_script(SCRIPT, ["adamw", str(tmp_path / "resumed.pt"), "--dirpath", run, "--resume", *AUTO])

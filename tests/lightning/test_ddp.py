@@ -66,7 +66,7 @@ def test_ddp_auto_tuned_kill9_resume_is_bitwise_identical_on_every_rank(ddp_refe
     auto = ["--auto", "--tuning", '{"retune_every_n_steps": 5, "mtbf_s": 10, "max_overhead": 0.5}']
     rc, log = run_script(SCRIPT, ["adamw", str(tmp_path / "x.pt"), "--dirpath", run, *DDP, *auto], kill_at_step=24)
     assert rc == -9, log[-2000:]
-    assert "auto-tuned at step 10" in log, log[-3000:]
+    assert "auto-tuned at step" in log, log[-3000:]
     out = tmp_path / "resumed.pt"
     rc, log = run_script(SCRIPT, ["adamw", str(out), "--dirpath", run, "--resume", *DDP, *auto])
     assert rc == 0, log[-3000:]
