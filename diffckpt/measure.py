@@ -23,6 +23,7 @@ __all__ = ["Meter", "fit_write_cost", "probe_storage"]
 
 PROBE_PREFIX = "_probe"
 PROBE_SIZES = (1 << 10, 1 << 20)
+SKIPPED_STEPS = 2  # the first step timings of a session, left out of the estimates
 DEFAULT_BANDWIDTH = 100e6  # bytes/s assumed until writes of different sizes have been timed
 
 
@@ -110,6 +111,7 @@ class Meter:
         self._writes: collections.deque[tuple[int, float]] = collections.deque(maxlen=window)
         self._bandwidth: float | None = None
         self.step_s = Ewma()
+        self._steps_seen = 0
         self.record_s = Ewma()
         self.state_s = Ewma()
         self.record_bytes = Ewma()
@@ -125,6 +127,9 @@ class Meter:
     # ------------------------------------------------------------- training side
     def add_step(self, step_s: float, record_s: float, record_bytes: int) -> None:
         with self._lock:
+            self._steps_seen += 1
+            if self._steps_seen <= SKIPPED_STEPS:  # a session's first steps warm up caches and allocators
+                return
             self.step_s.add(max(step_s, 0.0))
             self.record_s.add(record_s)
             self.record_bytes.add(record_bytes)

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from diffckpt.measure import Meter, fit_write_cost
+from diffckpt.measure import SKIPPED_STEPS, Meter, fit_write_cost
 from diffckpt.tuning import (
     HYSTERESIS,
     WRITER_HEADROOM,
@@ -247,7 +247,7 @@ def test_fit_needs_samples() -> None:
 def test_meter_snapshot_none_until_ready() -> None:
     meter = Meter(256 << 20)
     assert meter.snapshot() is None
-    for _ in range(3):
+    for _ in range(SKIPPED_STEPS + 3):
         meter.add_step(0.1, 1e-3, 1_000_000)
     assert meter.snapshot() is None  # no write yet
     meter.add_write(1 << 20, 0.011)
@@ -292,7 +292,7 @@ def test_meter_same_size_writes_use_the_probe_bandwidth() -> None:
     meter.add_probe(probe)
     for _ in range(40):  # pushes the probe's writes out of the window
         meter.add_write(3_000_000, lat + 3_000_000 / bw)
-    for _ in range(3):
+    for _ in range(SKIPPED_STEPS + 3):
         meter.add_step(0.1, 0.0, 3_000_000)
     meter.add_base(10_000_000, 0.0)
     m = meter.snapshot()
@@ -304,3 +304,16 @@ def test_measurements_round_trip() -> None:
     m = meas(steps=5)
     assert Measurements(**{k: (int(v) if k == "steps" else v) for k, v in m.as_dict().items()}) == m
     assert dataclasses.replace(m, latency_s=1.0).latency_s == 1.0
+
+
+def test_meter_leaves_out_a_sessions_first_step_timings() -> None:
+    """The first steps warm up caches and allocators; they would inflate the step time."""
+    meter = Meter(1 << 30)
+    for _ in range(SKIPPED_STEPS):
+        meter.add_step(3.0, 1e-3, 1_000_000)
+    for _ in range(5):
+        meter.add_step(0.1, 1e-3, 1_000_000)
+    meter.add_write(1 << 20, 0.01)
+    meter.add_base(10_000_000, 0.0)
+    m = meter.snapshot()
+    assert m is not None and math.isclose(m.step_s, 0.1)
