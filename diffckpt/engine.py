@@ -188,7 +188,8 @@ class CheckpointEngine:
         # Not state cost: fingerprints come every fingerprint_every_n_steps whatever the tuner picks.
         if state is not None and self.policy.wants_fingerprint(self._context(step)):
             record["fingerprint_params"] = [p.detach().clone() for p in module.parameters()]
-        nbytes = tree_nbytes(record)
+        # The step's part was counted above; add only what was attached since (no second walk).
+        nbytes = step_bytes + tree_nbytes(record["state"]) + tree_nbytes(record.get("fingerprint_params", []))
         stalled = writer.stats.stall_seconds
         writer.put_record(record, nbytes)
         self._prev_step = step
