@@ -7,6 +7,7 @@ framework-free core; see
 ``lightning_ckpt`` and ``accelerate_ckpt`` for the integrations.
 """
 
+from .compaction import CompactionResult, compact
 from .compression import GradientCompressor
 from .engine import CheckpointEngine
 from .errors import (
@@ -20,9 +21,11 @@ from .errors import (
     StorageUnavailableError,
     UnsupportedConfigurationError,
 )
+from .export import export_checkpoint
 from .loading import load_state
 from .options import CheckpointOptions
 from .replay import ReplayResult
+from .retention import RetentionPolicy, collect_garbage
 from .retry import RetryPolicy
 from .storage import FsspecStorage, Storage, open_storage
 from .tuning import TuningOptions
@@ -33,6 +36,7 @@ __all__ = [
     "CheckpointEngine",
     "CheckpointNotFoundError",
     "CheckpointOptions",
+    "CompactionResult",
     "ConcurrentWriterError",
     "CorruptRecordError",
     "DiffCkptError",
@@ -41,12 +45,16 @@ __all__ = [
     "IncompatibleCheckpointError",
     "ReplayMismatchError",
     "ReplayResult",
+    "RetentionPolicy",
     "RetryPolicy",
     "Storage",
     "StorageError",
     "StorageUnavailableError",
     "TuningOptions",
     "UnsupportedConfigurationError",
+    "collect_garbage",
+    "compact",
+    "export_checkpoint",
     "load_state",
     "open_storage",
 ]

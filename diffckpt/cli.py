@@ -1,9 +1,11 @@
 """The ``diffckpt`` command: inspect a run, verify every checksum, export a step, plan settings.
 
 ``diffckpt ls URL`` lists sessions, bases and segments; ``diffckpt verify URL`` checks every
-object and replays a step; ``diffckpt export URL --step N -o FILE`` writes a plain checkpoint
-(Lightning ``.ckpt``, ``torch`` or safetensors); ``diffckpt tune URL --params N --step-time T``
-probes a storage location and recommends ``every_n_steps``, ``write_batch`` and
+object and replays a step (``--deep``: every segment, each base compared with the replay that
+reaches it); ``diffckpt gc URL`` and ``diffckpt compact URL`` keep storage bounded and restores
+short (see :mod:`diffckpt.cli_lifecycle`); ``diffckpt export URL --step N -o FILE`` writes a plain checkpoint (Lightning
+``.ckpt``, ``torch`` or safetensors, see :mod:`diffckpt.export`); ``diffckpt tune URL --params N
+--step-time T`` probes a storage location and recommends ``every_n_steps``, ``write_batch`` and
 ``base_every_n_steps`` (see :mod:`diffckpt.advice`). Exit codes: 0 success, 1 damage or a failed
 operation, 2 usage errors and runs or steps that do not exist.
 """
@@ -11,109 +13,30 @@ operation, 2 usage errors and runs or steps that do not exist.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
-import io
 import json
 import os
-import re
 import sys
+import time
 import warnings
-from collections.abc import Sequence
-from datetime import datetime, timezone
+from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
-import safetensors.torch
 import torch
 
-from . import advice
+from . import advice, cli_lifecycle
+from .cli_common import human, open_run, progress, reemit, storage_options, table, when
 from .codecs import codec_from_config
 from .errors import CheckpointNotFoundError, DiffCkptError, UnsupportedConfigurationError
-from .format import SegmentName, decode_segment
-from .loading import load_state
-from .storage import FsspecStorage, Storage, open_storage
-from .store import RUN_FILE, Inventory, RunStore, session_path
+from .export import FORMATS, export_checkpoint
+from .format import BaseName, SegmentName, decode_commit, decode_segment
+from .loading import load_state, replay_plan
+from .storage import Storage
+from .store import Inventory, RestorePlan, RunStore, session_path
 
 __all__ = ["main"]
 
-_STEP_RE = re.compile(r"^(.*)/step=(\d+)$")
-
 
 # ------------------------------------------------------------------------------ helpers
-def _progress(text: str = "") -> None:
-    """Show ``text`` on one refreshed stderr line (``""`` clears it), only on a terminal."""
-    # Not when redirected: scripted and tested output stays deterministic.
-    if sys.stderr.isatty():
-        sys.stderr.write("\r\033[K" + text[:120])
-        sys.stderr.flush()
-
-
-def _reemit(caught: list[warnings.WarningMessage]) -> list[str]:
-    """Print warnings caught during a replay; return diffckpt's own (damage met on the way)."""
-    for w in caught:
-        print(f"warning: {w.message}", file=sys.stderr)
-    return [str(w.message) for w in caught if str(w.message).startswith("diffckpt")]
-
-
-def _human(n: float) -> str:
-    if n < 1024:
-        return f"{n:.0f} B"
-    for unit in ("KiB", "MiB", "GiB"):
-        n /= 1024
-        if n < 1024 or unit == "GiB":
-            break
-    return f"{n:.1f} {unit}"
-
-
-def _when(ts: Any) -> str:
-    # UTC, so that listings compare across machines and time zones.
-    if not isinstance(ts, (int, float)):
-        return "?"
-    return datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-
-
-def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
-    rows = [headers, *rows]
-    # The last column is not padded: it holds paths, whose length must not shift the others.
-    widths = [max(len(r[i]) for r in rows) for i in range(len(headers) - 1)]
-    return ["  " + "  ".join([*map(str.ljust, r[:-1], widths), r[-1]]).rstrip() for r in rows]
-
-
-def _split_target(url: str) -> tuple[str, int | None]:
-    """Accept what ``ls`` prints as ckpt_path: the root, ``<root>/step=N``, ``<root>/run.json``."""
-    url = url.rstrip("/") or url
-    if (m := _STEP_RE.match(url)) is not None:
-        return m[1], int(m[2])
-    return url.removesuffix("/" + RUN_FILE), None
-
-
-def _storage_options(pairs: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise UnsupportedConfigurationError(f"--storage-option wants KEY=VALUE, got {pair!r}")
-        try:  # numbers, booleans and nested dicts (client_kwargs) arrive as JSON
-            out[key] = json.loads(value)
-        except ValueError:
-            out[key] = value
-    return out
-
-
-def _open(args: argparse.Namespace) -> tuple[RunStore, Inventory, int | None]:
-    """The run named on the command line, its inventory and the step its URL names, if any."""
-    root, step = _split_target(args.url)
-    # Absolute, so the ckpt_path that `ls` prints works from any working directory.
-    root = root if "://" in root else os.path.abspath(root)
-    store = RunStore(open_storage(root, **_storage_options(args.storage_option)))
-    inv = store.inventory()
-    if not (inv.bases or inv.sessions or store.is_run()):
-        raise CheckpointNotFoundError(
-            f"no diffckpt run under {root}: it holds no {RUN_FILE}, sessions or bases. Pass the "
-            "dirpath given to DiffCheckpoint (a local path or fsspec URL)")
-    return store, inv, args.step if getattr(args, "step", None) is not None else step
-
-
 def _durable(inv: Inventory, gen: int) -> list[list[int]]:
     """Merged step intervals of session ``gen`` that a restore can reach."""
     spans = sorted((b.step, c[-1].last if (c := inv.chain(b)) else b.step)
@@ -134,6 +57,25 @@ def _flat(options: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
     for key, value in sorted(options.items()):
         out += _flat(value, f"{prefix}{key}.") if isinstance(value, dict) else [(f"{prefix}{key}", value)]
     return out
+
+
+def _shown(key: str, value: Any, options: dict[str, Any]) -> bool:
+    """Settings worth a place in ``ls``: tuning only when tuned, compaction and retention when set."""
+    if key.startswith("tuning."):
+        return _auto(options)
+    if key in ("retention", "compact_every_n_steps"):
+        return value is not None
+    return key != "compact_device" or options.get("compact_every_n_steps") is not None
+
+
+def _compacted(store: RunStore, base: BaseName) -> dict[str, Any] | None:
+    """What a compacted base's COMMIT says about it (``None``: training wrote it, or unreadable)."""
+    try:
+        info = decode_commit(store.storage.read(base.commit_path), base.commit_path)
+    except DiffCkptError:
+        return None
+    compacted = info.get("compacted")
+    return compacted if isinstance(compacted, dict) else None
 
 
 def _codec_name(config: dict[str, Any]) -> str:
@@ -174,7 +116,8 @@ def _describe(store: RunStore, inv: Inventory) -> dict[str, Any]:
             "damaged": bool(meta.get("damaged")), "tuning": store.tuning_log(gen)})
     bases: list[dict[str, Any]] = [
         {"step": b.step, "gen": b.gen, "path": b.dir,
-         "bytes": sum(n for p, n in sizes.items() if p.startswith(b.dir + "/"))}
+         "bytes": sum(n for p, n in sizes.items() if p.startswith(b.dir + "/")),
+         "compacted": _compacted(store, b)}
         for b in sorted(inv.bases, key=lambda b: (b.gen, b.step))]  # grouped by session
     segments: list[dict[str, Any]] = [
         {"after": s.after, "last": s.last, "gen": s.gen, "steps": s.last - s.after,
@@ -204,38 +147,42 @@ def _render_ls(d: dict[str, Any]) -> str:
            f'ckpt_path="{url}" (or "last" with DiffCheckpoint)')
     lines = [f"run {url}", "no durable step yet (no committed base)" if newest is None else
              f'newest durable step {newest["step"]} (g{newest["gen"]}): {how}', "", "sessions"]
-    lines += _table(["gen", "started", "resumed_from", "durable", "newest", "ckpt_path"], [
-        [f"g{s['gen']}", "damaged" if s["damaged"] else _when(s["started"]), str(s["resumed_from"]),
+    lines += table(["gen", "started", "resumed_from", "durable", "newest", "ckpt_path"], [
+        [f"g{s['gen']}", "damaged" if s["damaged"] else when(s["started"]), str(s["resumed_from"]),
          (", ".join(f"{lo}..{hi}" for lo, hi in s["durable"]) or "-") + _every(s["options"]),
          str(s["newest_step"] if s["newest_step"] is not None else "-"), s["ckpt_path"] or "-"]
         for s in d["sessions"]])
     lines += [f"  g{s['gen']} settings: " + " ".join(f"{k}={v}" for k, v in _flat(s["options"])
-                                                 if not k.startswith("tuning.") or _auto(s["options"]))
+                                                 if _shown(k, v, s["options"]))
               + (f" codec={_codec_name(s['codec'])}" if s["codec"] else "")
               for s in d["sessions"] if s["options"]]
     lines += [f"  g{s['gen']} auto-tuned: " + "; ".join(
         f"step {t.get('step')}: " + " ".join(f"{k}={v}" for k, v in (t.get("settings") or {}).items())
         for t in s["tuning"]) for s in d["sessions"] if s.get("tuning")]
-    lines += ["", "bases"] + _table(["step", "gen", "size", "path"], [
-        [str(b["step"]), f"g{b['gen']}", _human(b["bytes"]), b["path"]] for b in d["bases"]])
-    lines += ["", "segments"] + _table(["after..last", "gen", "steps", "size", "path"], [
-        [f"{s['after']}..{s['last']}", f"g{s['gen']}", str(s["steps"]), _human(s["bytes"]),
+    lines += ["", "bases"] + table(["step", "gen", "size", "path"], [
+        [str(b["step"]), f"g{b['gen']}", human(b["bytes"]), b["path"]] for b in d["bases"]])
+    lines += [f"  compacted: {b['step']} (g{b['gen']}) from base {c.get('from_base')}, "
+              + (f"verified at step {b['step']}" if c.get("verified_through") == b["step"] else
+                 f"fingerprints matched through step {c.get('verified_through')}")
+              for b in d["bases"] if (c := b["compacted"])]
+    lines += ["", "segments"] + table(["after..last", "gen", "steps", "size", "path"], [
+        [f"{s['after']}..{s['last']}", f"g{s['gen']}", str(s["steps"]), human(s["bytes"]),
          s["path"]] for s in d["segments"]])
-    lines += ["", "totals"] + [f"  {label:<10}  {_human(t[key])} ({t[key]} B)" for label, key in
+    lines += ["", "totals"] + [f"  {label:<10}  {human(t[key])} ({t[key]} B)" for label, key in
                                (("on storage", "bytes"), ("bases", "base_bytes"))]
-    diffs = f"{_human(t['diff_bytes'])} ({t['diff_bytes']} B)"
+    diffs = f"{human(t['diff_bytes'])} ({t['diff_bytes']} B)"
     if t["diff_steps"]:
-        avg = _human(t["avg_diff_bytes_per_step"])
+        avg = human(t["avg_diff_bytes_per_step"])
         diffs += f" over {t['diff_steps']} steps, {avg} per step"
     lines += [f"  diffs       {diffs}",
-              f"  other       {_human(t['other_bytes'])} ({t['other_bytes']} B)", "",
+              f"  other       {human(t['other_bytes'])} ({t['other_bytes']} B)", "",
               "resume any durable step N with " + (
                   "DiffCheckpointer(...).restore(N)" if accelerate else f'ckpt_path="{url}/step=N"')]
     return "\n".join(lines)
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    d = _describe(*_open(args)[:2])
+    d = _describe(*open_run(args)[:2])
     print(json.dumps(d, indent=2) if args.json else _render_ls(d))
     return 0
 
@@ -263,8 +210,88 @@ def _check_segment(storage: Storage, seg: SegmentName) -> tuple[int, str | None]
     return len(records), None
 
 
+def _deep_plans(inv: Inventory, usable: list[BaseName]) -> list[tuple[RestorePlan, BaseName | None]]:
+    """One replay per base with segments after it: up to the next usable base of its session that
+    its chain reaches (returned too, to compare with), else to the end of its chain.
+
+    Together they replay every segment of a chain once. A damaged base is not in ``usable``:
+    the base before it replays on past it, so its segments are still checked.
+    """
+    out = []
+    for base in usable:
+        chain = inv.chain(base)
+        if not chain:
+            continue
+        end = chain[-1].last
+        after = [b for b in usable if b.gen == base.gen and base.step < b.step <= end]
+        upto = min(after) if after else None
+        plan = RunStore._plan_for(inv, base, end if upto is None else upto.step)
+        assert plan is not None  # the target lies on the chain
+        out.append((plan, upto))
+    return out
+
+
+def _first_difference(replayed: Any, stored: Any, path: str) -> str | None:
+    """Where two state trees first differ (``None``: every tensor ``torch.equal``, all else ``==``)."""
+    if isinstance(stored, torch.Tensor):
+        same = (isinstance(replayed, torch.Tensor) and replayed.dtype == stored.dtype
+                and replayed.shape == stored.shape and torch.equal(replayed.cpu(), stored.cpu()))
+        return None if same else f"tensor {path}"
+    if isinstance(stored, dict):
+        if not isinstance(replayed, dict) or set(replayed) != set(stored):
+            return f"{path} (other keys)"
+        diffs = (_first_difference(replayed[k], v, f"{path}/{k}".lstrip("/")) for k, v in stored.items())
+    elif isinstance(stored, (list, tuple)):  # a tree may hold a tuple as a list
+        if not isinstance(replayed, (list, tuple)) or len(replayed) != len(stored):
+            return f"{path} (another length)"
+        diffs = (_first_difference(r, s, f"{path}/{i}".lstrip("/"))
+                 for i, (r, s) in enumerate(zip(replayed, stored)))
+    else:
+        return None if replayed == stored else path
+    return next((d for d in diffs if d is not None), None)
+
+
+def _verify_deep(store: RunStore, inv: Inventory, usable: list[BaseName], args: argparse.Namespace,
+                 bad: Callable[[str, str], None]) -> dict[str, Any]:
+    """Replay every chain segment once and compare each base with the replay that reaches it.
+
+    Checksums prove that bytes are as written, not that a base holds the state training had: a
+    base written wrong (or replaced by a valid one of another run) passes them, and a plain
+    restore from it would go unquestioned. Each base must equal the replay of the one before.
+    """
+    started = time.monotonic()
+    plans = _deep_plans(inv, sorted(usable, key=lambda b: (b.gen, b.step)))
+    replayed = compared = 0
+    carried: tuple[BaseName, tuple[dict[str, Any], Any]] | None = None  # a compared base, reused
+    for i, (plan, upto) in enumerate(plans):
+        progress(f"[{i + 1}/{len(plans)}] replaying base {plan.base.step} -> {plan.target}")
+        loaded = carried[1] if carried is not None and carried[0] == plan.base else None
+        carried = None
+        try:
+            result = replay_plan(store, plan, device=args.device, allow_modules=tuple(args.allow_module),
+                                 loaded=loaded)
+            replayed += result["replayed"]
+            if upto is not None:
+                carried = (upto, store.load_base(upto))
+        except UnsupportedConfigurationError:
+            raise  # needs --allow-module: a usage matter, not damage
+        except (DiffCkptError, ValueError) as exc:  # ValueError: a damaged session file
+            bad(f"deep replay g{plan.base.gen} {plan.base.step}..{plan.target}", str(exc))
+            continue
+        if carried is None:
+            continue
+        reached, (_, stored) = carried
+        compared += 1
+        where = _first_difference({"model": result["model"], "optimizers": result["optimizers"]},
+                                  {"model": stored["model"], "optimizers": stored["optimizers"]}, "")
+        if where is not None:
+            bad(reached.state_path, f"differs from the replay of base {plan.base.step} at {where}")
+    return {"replayed_steps": replayed, "bases_compared": compared, "chains": len(plans),
+            "seconds": round(time.monotonic() - started, 3)}
+
+
 def _cmd_verify(args: argparse.Namespace) -> int:
-    store, inv, step = _open(args)
+    store, inv, step = open_run(args)
     plan = store.plan(step, inv)  # a step that is not durable is a usage error (exit 2): first
     problems: list[dict[str, str]] = []
 
@@ -273,34 +300,37 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         message = message.removeprefix(f"{obj}: ").removeprefix(f"{obj} ")
         problems.append({"object": obj, "problem": message})
 
+    unusable: set[BaseName] = set()  # what --deep leaves out: already reported
     for gen in sorted(set(inv.sessions) | {b.gen for b in inv.bases}):  # replay needs each one
         try:
             store.session_meta(gen)
         except (ValueError, DiffCkptError) as exc:
             bad(session_path(gen), f"cannot be read: {exc}")
+            unusable.update(b for b in inv.bases if b.gen == gen)
     committed = {b.dir for b in inv.bases}
     stray = sorted({p.rsplit("/", 1)[0] for p in inv.sizes if p.startswith("bases/")} - committed)
     total = len(inv.bases) + len(inv.segments)
     for i, base in enumerate(inv.bases):
-        _progress(f"[{i + 1}/{total}] {base.dir}")
+        progress(f"[{i + 1}/{total}] {base.dir}")
         try:
             store.load_base(base)
         except DiffCkptError as exc:
             bad(base.state_path, str(exc))
+            unusable.add(base)
     records = 0
     for i, seg in enumerate(inv.segments):
-        _progress(f"[{len(inv.bases) + i + 1}/{total}] {seg.path}")
+        progress(f"[{len(inv.bases) + i + 1}/{total}] {seg.path}")
         count, problem = _check_segment(store.storage, seg)
         records += count
         if problem is not None:
             bad(seg.path, problem)
-    _progress(f"replaying step {plan.target} from base {plan.base.step}")
+    progress(f"replaying step {plan.target} from base {plan.base.step}")
     replay: dict[str, Any] = {"target": plan.target, "base_step": plan.base.step}
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             result = load_state(store.storage, step, device=args.device, allow_modules=tuple(args.allow_module))
-        for message in _reemit(caught):
+        for message in reemit(caught):
             bad("replay", message)
         replay.update(step=result["step"], replayed=result["replayed"])
         if result["step"] != plan.target:
@@ -310,10 +340,13 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     except (DiffCkptError, ValueError) as exc:  # ValueError: a damaged session file
         msg = str(exc)
         bad("replay", msg if f"step {plan.target}" in msg else f"step {plan.target}: {msg}")
-    _progress()
+    found = len(problems)
+    usable = [b for b in inv.bases if b not in unusable]
+    deep = _verify_deep(store, inv, usable, args, bad) if args.deep else None
+    progress()
     report = {"url": store.storage.url, "ok": not problems, "bases": len(inv.bases),
               "segments": len(inv.segments), "records": records, "sessions": len(inv.sessions),
-              "uncommitted": stray, "replay": replay, "problems": problems}
+              "uncommitted": stray, "replay": replay, "deep": deep, "problems": problems}
     if args.json:
         print(json.dumps(report, indent=2))
         return int(bool(problems))
@@ -324,6 +357,10 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     if "step" in replay:
         print(f"replayed step {replay['step']} from base {replay['base_step']} "
               f"({replay['replayed']} steps) with the fingerprints recorded in training checked")
+    if deep is not None:
+        print(f"deep: replayed {deep['replayed_steps']} steps across {deep['chains']} chains; " + (
+            "every base equals the replay of the one before" if len(problems) == found else
+            f"{len(problems) - found} problem(s), listed below"))
     for p in problems:
         print(f"BAD {p['object']}: {p['problem']}")
     print(f"FAILED: {len(problems)} problem(s)" if problems else "OK: every checksum matches")
@@ -331,76 +368,26 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 # -------------------------------------------------------------------------------- export
-def _plain(obj: Any) -> Any:
-    """Replace numpy values by torch tensors and Python scalars.
-
-    ``torch.load(weights_only=True)`` (what ``LightningModule.load_from_checkpoint`` uses) refuses
-    numpy objects, and the recorded state holds some (DiffCheckpoint's numpy RNG state, for one).
-    """
-    if isinstance(obj, np.ndarray):
-        return torch.from_numpy(np.ascontiguousarray(obj).copy())
-    if isinstance(obj, np.generic):
-        return obj.item()
-    if isinstance(obj, dict):
-        return {_plain(k): _plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_plain(v) for v in obj)
-    return obj
-
-
-def _lightning_version() -> str:
-    # Lightning's loader requires this key and runs recorded without Lightning lack it. Read it
-    # from package metadata: the core never imports a framework.
-    try:
-        return importlib.metadata.version("lightning")
-    except importlib.metadata.PackageNotFoundError:
-        return "2.0.0"
-
-
-def _serialize(result: dict[str, Any], fmt: str) -> bytes:
-    model, step = result["model"], result["step"]
-    if fmt == "safetensors":
-        return safetensors.torch.save(model, metadata={"format": "pt", "diffckpt.step": str(step)})
-    if fmt == "lightning":
-        state = result["state"]
-        obj: dict[str, Any] = dict(state) if isinstance(state, dict) else {"state": state}
-        obj.setdefault("global_step", step)
-        obj.setdefault("pytorch-lightning_version", _lightning_version())
-        obj.update(state_dict=model, optimizer_states=result["optimizers"])
-    else:
-        obj = {"model": model, "optimizers": result["optimizers"], "step": step}
-    buf = io.BytesIO()
-    torch.save(_plain(obj), buf)
-    return buf.getvalue()
-
-
 def _cmd_export(args: argparse.Namespace) -> int:
-    store, _, step = _open(args)
-    ext = os.path.splitext(args.output)[1].lower()
-    fmt = args.format or {".ckpt": "lightning", ".safetensors": "safetensors"}.get(ext, "torch")
-    _progress(f"replaying step {'newest' if step is None else step}")
+    store, _, step = open_run(args)
+    progress(f"replaying step {'newest' if step is None else step}")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = load_state(store.storage, step, verify=not args.no_verify, device=args.device,
-                            allow_modules=tuple(args.allow_module))
-    _progress(f"writing {args.output}")
-    data = _serialize(result, fmt)
-    # Through Storage.write: the whole file or nothing, never a truncated checkpoint.
-    if "://" in args.output:
-        directory, _, name = args.output.rpartition("/")
-    else:
-        directory, name = os.path.split(os.path.abspath(args.output))
-    FsspecStorage(directory).write(name, data)
-    _progress()
-    _reemit(caught)
-    print(f"wrote {args.output}: step {result['step']} ({fmt}, {_human(len(data))}, "
-          f"{len(data)} B; base {result['base_step']} + {result['replayed']} replayed steps)")
+        done = export_checkpoint(store.storage, args.output, step, format=args.format, device=args.device,
+                                 verify=not args.no_verify, allow_modules=tuple(args.allow_module))
+    progress()
+    reemit(caught)
+    if args.json:
+        print(json.dumps(done, indent=2))
+        return 0
+    print(f"wrote {args.output}: step {done['step']} ({done['format']}, {human(done['bytes'])}, "
+          f"{done['bytes']} B; base {done['base_step']} + {done['replayed']} replayed steps)")
     return 0
 
 
 # ---------------------------------------------------------------------------------- tune
 def _cmd_tune(args: argparse.Namespace) -> int:
-    return advice.run(args, _storage_options(args.storage_option))
+    return advice.run(args, storage_options(args.storage_option))
 
 
 # ---------------------------------------------------------------------------------- main
@@ -428,13 +415,24 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_ls)
     p = sub.add_parser("verify", parents=[common, replaying, as_json],
                        help="check every checksum and replay a step with its fingerprints")
+    p.add_argument("--deep", action="store_true",
+                   help="also replay every segment once and check that each base equals the replay "
+                        "of the one before")
     p.set_defaults(func=_cmd_verify)
-    p = sub.add_parser("export", parents=[common, replaying], help="write a step as a checkpoint")
+    p = sub.add_parser("export", parents=[common, replaying, as_json], help="write a step as a checkpoint")
     p.add_argument("-o", "--output", required=True, metavar="FILE", help="file or URL to write")
-    p.add_argument("--format", choices=("lightning", "torch", "safetensors"),
+    p.add_argument("--format", choices=FORMATS,
                    help="default from FILE: .ckpt lightning, .safetensors safetensors, else torch")
     p.add_argument("--no-verify", action="store_true", help="skip the fingerprint checks")
     p.set_defaults(func=_cmd_export)
+    p = sub.add_parser("gc", parents=[common, as_json],
+                       help="delete what a retention policy no longer keeps (dry run unless --apply)")
+    cli_lifecycle.add_gc_arguments(p)
+    p.set_defaults(func=cli_lifecycle.cmd_gc)
+    p = sub.add_parser("compact", parents=[common, as_json],
+                       help="roll a base forward from stored diffs (no training process needed)")
+    cli_lifecycle.add_compact_arguments(p)
+    p.set_defaults(func=cli_lifecycle.cmd_compact)
     p = sub.add_parser("tune", help="probe storage and recommend every_n_steps, write_batch, base_every_n_steps")
     advice.add_arguments(p)
     p.set_defaults(func=_cmd_tune)

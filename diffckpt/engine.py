@@ -22,6 +22,7 @@ from .autotune import OnlineTuning
 from .capture import StepCapture, clone_tree, group_hyperparams, tree_nbytes
 from .compression import GradientCompressor
 from .errors import DiffCkptError
+from .maintenance import Maintenance
 from .options import CheckpointOptions
 from .policies import IntervalPolicy, StepContext
 from .replay import ReplayResult, replay
@@ -59,6 +60,7 @@ class CheckpointEngine:
         self._buffer_names: list[str] = []
         self._durable: int | None = None
         self.tuning = OnlineTuning(self.options)
+        self.maintenance: Maintenance | None = None
 
     @property
     def storage_is_local(self) -> bool:
@@ -99,6 +101,11 @@ class CheckpointEngine:
                                        write_batch=self.tuning.settings.write_batch)
         self.tuning.start(step, self.writer, self._base_bytes_now)
         self._prev_step = self._last_base = step
+        o, writer = self.options, self.writer
+        if o.compact_every_n_steps is not None or o.retention is not None:
+            self.maintenance = Maintenance(
+                self.storage, lambda: (writer.durable_step, self._last_base, writer.stats.bases),
+                compact_every_n_steps=o.compact_every_n_steps, retention=o.retention, device=o.compact_device)
         return gen
 
     def _context(self, step: int) -> StepContext:
@@ -193,6 +200,8 @@ class CheckpointEngine:
         stalled = writer.stats.stall_seconds
         writer.put_record(record, nbytes)
         self._prev_step = step
+        if self.maintenance is not None:
+            self.maintenance.poke()
         self.tuning.note_record(entered, time.perf_counter(), copy_s=copy_s, update_s=update_s,
                                 state_s=None if state is None else state_s,
                                 stalled=writer.stats.stall_seconds - stalled, record_bytes=step_bytes)
@@ -255,6 +264,9 @@ class CheckpointEngine:
             if self.writer:
                 durable = self.writer.close(timeout)
         finally:
+            if self.maintenance is not None:  # a last retention pass over what is now durable
+                self.maintenance.close(self.options.flush_timeout_s)
+                self.maintenance = None
             if self.capture:
                 self.capture.remove()
             if self.writer:
@@ -298,6 +310,9 @@ class CheckpointEngine:
             result = replay(self.store, plan, module, optimizers, verify=verify, loaded=(info, base))
         replayed = time.perf_counter() - loaded
         self.tuning.note_restore(loaded - start, replayed / result.replayed if result.replayed else None)
+        log.info("diffckpt: restored step %d from base %d (read in %.2f s): replayed %d steps in "
+                 "%.2f s (%.1f steps/s, %.1f MiB/s)", result.step, result.base_step, loaded - start,
+                 result.replayed, result.replay_s, result.steps_per_s, result.read_mib_per_s)
         if compressor is not None:
             if result.codec_config != compressor.codec.config():  # another codec, or none, trained
                 compressor.restore(None, {})

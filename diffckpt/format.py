@@ -22,6 +22,7 @@ __all__ = [
     "FORMAT_VERSION",
     "SEGMENT_MAGIC",
     "BaseName",
+    "base_commit",
     "SegmentName",
     "decode_commit",
     "decode_segment",
@@ -209,6 +210,14 @@ def decode_segment(data: bytes, name: str = "segment") -> tuple[dict[str, Any], 
 def encode_commit(info: dict[str, Any]) -> bytes:
     """Serialize a base's COMMIT marker (JSON, sorted keys)."""
     return json.dumps(dict(info, format=FORMAT_VERSION), indent=1, sort_keys=True).encode()
+
+
+def base_commit(step: int, gen: int, fingerprint: str, parts: list[Buffer], **extra: Any) -> bytes:
+    """The COMMIT marker of a base whose ``state.safetensors`` is ``parts``: its step, session,
+    parameter fingerprint and the file's size and hash (``extra``: e.g. ``compacted``)."""
+    size = sum(len(p) for p in parts)
+    return encode_commit({"step": step, "gen": gen, "fingerprint": fingerprint, **extra,
+                          "files": {"state.safetensors": {"size": size, "sha256": digest_parts(parts).hexdigest()}}})
 
 
 def decode_commit(data: bytes, name: str) -> dict[str, Any]:

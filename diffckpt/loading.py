@@ -16,9 +16,9 @@ import torch
 from .errors import UnsupportedConfigurationError
 from .replay import ReplayResult, ReplayTarget, replay
 from .storage import Storage, open_storage
-from .store import RunStore
+from .store import RestorePlan, RunStore
 
-__all__ = ["load_state"]
+__all__ = ["load_state", "replay_plan"]
 
 
 def _optimizer_class(qualname: str, allow_modules: tuple[str, ...]) -> type[torch.optim.Optimizer]:
@@ -43,10 +43,27 @@ def load_state(url: str | os.PathLike[str] | Storage, step: int | None = None, *
 
     Returns:
         ``{"step", "model": {name: tensor}, "optimizers": [optimizer state_dict, ...],
-        "state": framework state recorded at that step, "base_step", "replayed"}``.
+        "state": framework state recorded at that step, "base_step", "replayed", "result": the
+        :class:`ReplayResult` (fingerprints checked, codec payloads, replay time)}``.
     """
     store = RunStore(open_storage(url, **(storage_options or {})))
     plan, info, base = store.open_plan(step)
+    return replay_plan(store, plan, device=device, verify=verify, allow_modules=allow_modules,
+                       loaded=(info, base))
+
+
+def replay_plan(store: RunStore, plan: RestorePlan, *, device: str = "cpu", verify: bool = True,
+                allow_modules: tuple[str, ...] = ("torch.",),
+                loaded: tuple[dict[str, Any], Any] | None = None) -> dict[str, Any]:
+    """Replay ``plan`` (any committed base, not only the one :func:`load_state` would choose).
+
+    ``diffckpt verify --deep`` replays each base up to the next one to compare them.
+    ``loaded`` is the base's ``(commit info, state tree)`` if the caller already read it.
+
+    Returns:
+        what :func:`load_state` returns.
+    """
+    info, base = loaded if loaded is not None else store.load_base(plan.base)
     meta = store.session_meta(plan.base.gen)
     model = {k: v.to(device).clone() for k, v in base["model"].items()}
     names = [name for name, _ in meta["parameters"]]
@@ -69,4 +86,5 @@ def load_state(url: str | os.PathLike[str] | Storage, step: int | None = None, *
     result: ReplayResult = replay(store, plan, ReplayTarget(params, buffers, load), optimizers,
                                   verify=verify, loaded=(info, base))
     return {"step": result.step, "model": model, "optimizers": [o.state_dict() for o in optimizers],
-            "state": result.state, "base_step": result.base_step, "replayed": result.replayed}
+            "state": result.state, "base_step": result.base_step, "replayed": result.replayed,
+            "result": result}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .retention import RetentionPolicy
 from .retry import RetryPolicy
 from .tuning import AUTO, TuningOptions
 
@@ -39,6 +40,14 @@ class CheckpointOptions:
             makes training wait (with a warning) until storage is back, ``"raise"`` raises
             :class:`~diffckpt.StorageUnavailableError` on the training thread. Until the buffer is
             full, training goes on either way; nothing is ever dropped.
+        retention: which steps to keep restorable (:class:`~diffckpt.RetentionPolicy`); the rest
+            is deleted in the background once a newer base is durable. ``None`` deletes nothing.
+        compact_every_n_steps: roll a base forward in a background thread (replaying the stored
+            diffs, see :func:`diffckpt.compact`) once the durable step is this many steps past the
+            newest base. With ``base_every_n_steps=None`` training never stalls for a full
+            checkpoint. ``None``: no background compaction.
+        compact_device: where background compaction replays (the device type training runs on
+            gives a bit-exact base).
         flush_timeout_s: how long the final flush may take when training is interrupted
             (SIGTERM, SIGINT, an exception) before giving up; it then logs how far durability
             got. A normal end of training waits for storage as ``on_storage_error`` says.
@@ -57,6 +66,9 @@ class CheckpointOptions:
     on_storage_error: str = "block"
     flush_timeout_s: float = 30.0
     tuning: TuningOptions = field(default_factory=TuningOptions)
+    retention: RetentionPolicy | None = None
+    compact_every_n_steps: int | None = None
+    compact_device: str = "cpu"
 
     def __post_init__(self) -> None:
         for name in ("every_n_steps", "write_batch", "max_pending_bytes", "compression_level"):
@@ -73,6 +85,11 @@ class CheckpointOptions:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 also = ", None or 'auto'" if name in self.TUNABLE else " or None"
                 raise ValueError(f"{name} must be a positive integer{also}, got {value!r}")
+        n = self.compact_every_n_steps
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ValueError(f"compact_every_n_steps must be a positive integer or None, got {n!r}")
+        if self.retention is not None and not isinstance(self.retention, RetentionPolicy):
+            raise ValueError(f"retention must be a diffckpt.RetentionPolicy or None, got {self.retention!r}")
         if not isinstance(self.tuning, TuningOptions):
             raise ValueError(f"tuning must be a diffckpt.TuningOptions, got {self.tuning!r}")
         if self.on_storage_error not in ("block", "raise"):

@@ -8,8 +8,10 @@ way; a mismatch raises instead of returning a wrong state.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import time
 import warnings
 from dataclasses import dataclass, field
 from dataclasses import replace as _replace
@@ -26,7 +28,7 @@ from .errors import (
     IncompatibleCheckpointError,
     ReplayMismatchError,
 )
-from .store import RestorePlan, RunStore
+from .store import ReadStats, RestorePlan, RunStore
 
 __all__ = ["ReplayResult", "ReplayTarget", "load_into", "replay"]
 
@@ -45,6 +47,24 @@ class ReplayResult:
     codec_config: dict[str, Any] | None = None  # the codec the restored session trained with
     codec_states: list[dict[str, torch.Tensor]] | None = None  # per rank, saved with the base
     codec_payloads: dict[str, Any] = field(default_factory=dict)  # last replayed payload per parameter
+    verified_through: int | None = None  # newest step whose fingerprint from training was matched
+    # What replay cost, for logs and benchmarks: wall seconds from the base loaded into the model
+    # to the end of replay, encoded segment bytes read, and of those seconds the time replay
+    # waited for segment reads (what prefetching did not hide). A replay redone after damage
+    # counts both passes.
+    replay_s: float = 0.0
+    read_bytes: int = 0
+    read_wait_s: float = 0.0
+
+    @property
+    def steps_per_s(self) -> float:
+        """Steps replayed per second of :attr:`replay_s` (0.0 when nothing was replayed)."""
+        return self.replayed / self.replay_s if self.replayed and self.replay_s > 0 else 0.0
+
+    @property
+    def read_mib_per_s(self) -> float:
+        """Encoded segment MiB read per second of :attr:`replay_s`."""
+        return self.read_bytes / 2**20 / self.replay_s if self.replay_s > 0 else 0.0
 
 
 @dataclass
@@ -232,11 +252,17 @@ def replay(store: RunStore, plan: RestorePlan, target: ReplayTarget | torch.nn.M
             "the model's parameters differ from the ones trained (definition, dtype or device)")
     buffers = target.buffers
     result = ReplayResult(step=plan.base.step, state=base["state"], replayed=0, base_step=plan.base.step,
-                          codec_config=meta.get("codec"), codec_states=base.get("codec"))
+                          codec_config=meta.get("codec"), codec_states=base.get("codec"),
+                          codec_payloads=dict(base.get("codec_payloads") or {}),
+                          verified_through=plan.base.step if verify and info.get("fingerprint") else None)
     decoder = _Decoder({id(p): n for n, p in target.params.items()})
+    decoder.last.update(result.codec_payloads)  # a compacted base carries the payloads before it
     last_applied = plan.base.step
-    with torch.no_grad():
-        for record, problem in store.read_records(plan):
+    started, read = time.perf_counter(), ReadStats()
+    records = store.read_records(plan, stats=read)
+    # closing: an error raised here stops the segment reads running ahead at once, not at GC
+    with torch.no_grad(), contextlib.closing(records):
+        for record, problem in records:
             if problem is not None or record is None:
                 result.problems.append(problem or "no record")
                 break
@@ -252,11 +278,13 @@ def replay(store: RunStore, plan: RestorePlan, target: ReplayTarget | torch.nn.M
                     raise IncompatibleCheckpointError(
                         f"step {step} recorded buffer {name!r} that the model does not have")
                 buffers[name].copy_(value)
-            if verify and record.get("fingerprint") and fingerprint(params) != record["fingerprint"]:
-                raise ReplayMismatchError(
-                    f"replayed parameters at step {step} do not match the fingerprint recorded in "
-                    "training; replay must use the same optimizer class, implementation "
-                    "(foreach/fused) and device type as training")
+            if verify and record.get("fingerprint"):
+                if fingerprint(params) != record["fingerprint"]:
+                    raise ReplayMismatchError(
+                        f"replayed parameters at step {step} do not match the fingerprint recorded in "
+                        "training; replay must use the same optimizer class, implementation "
+                        "(foreach/fused) and device type as training")
+                result.verified_through = step
             last_applied = step
             result.replayed += 1
             if record.get("state") is not None:
@@ -264,6 +292,8 @@ def replay(store: RunStore, plan: RestorePlan, target: ReplayTarget | torch.nn.M
                 result.codec_payloads = dict(decoder.last)
     for p in params:
         p.grad = None
+    result.read_bytes, result.read_wait_s = read.bytes, read.wait_s
+    result.replay_s = time.perf_counter() - started
     if result.problems:
         if not plan.latest:
             raise CorruptRecordError(
@@ -273,7 +303,11 @@ def replay(store: RunStore, plan: RestorePlan, target: ReplayTarget | torch.nn.M
                       "intact step before it", stacklevel=2)
     if last_applied != result.step:
         # Replay went past the last restorable point (damage after stateless records): redo it.
-        result = replay(store, _replace(plan, target=result.step, latest=False), target, optimizers, verify)
+        redone = replay(store, _replace(plan, target=result.step, latest=False), target, optimizers, verify)
+        redone.read_bytes += result.read_bytes
+        redone.read_wait_s += result.read_wait_s
+        redone.replay_s = time.perf_counter() - started  # both passes and the base loaded again
+        result = redone
     if not plan.latest and result.step != plan.target:
         raise CheckpointNotFoundError(
             f"step {plan.target} is not a restorable step under {store.storage.url} (restorable "

@@ -12,6 +12,7 @@ import errno
 import os
 import uuid
 from collections.abc import Sequence
+from datetime import datetime
 from typing import Any, Protocol, runtime_checkable
 
 import fsspec
@@ -82,6 +83,20 @@ def _precondition_failed(exc: BaseException | None) -> bool:
             return True
         exc = exc.__cause__ or exc.__context__
     return False
+
+
+def _mtime(info: dict[str, Any]) -> float | None:
+    """Modification time from a listing entry, whatever the backend calls it."""
+    for key in ("mtime", "LastModified", "Initiated", "last_modified", "created"):
+        value = info.get(key)
+        if isinstance(value, datetime):
+            return value.timestamp()
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    return None
 
 
 def as_bytes(data: Data) -> bytes:
@@ -208,6 +223,12 @@ class FsspecStorage:
             raise _explain(exc, "read", f"{self.url}/{path}") from exc
 
     def list(self, prefix: str) -> dict[str, int]:
+        return {rel: size for rel, (size, _) in self.details(prefix).items()
+                if not rel.rsplit("/", 1)[-1].startswith(".")}
+
+    def details(self, prefix: str, hidden: bool = False) -> dict[str, tuple[int, float | None]]:
+        """``{relative path: (size, modification time or None)}`` under ``prefix``; with
+        ``hidden``, also the dot-files that :meth:`list` leaves out (local temporary files)."""
         base = self._full(prefix)
         try:
             self.fs.invalidate_cache(base)  # listings cached by s3fs & co. miss other writers' objects
@@ -217,12 +238,42 @@ class FsspecStorage:
         except Exception as exc:
             raise _explain(exc, "list", f"{self.url}/{prefix}") from exc
         cut = len(self.root.rstrip("/")) + 1 if self.root not in ("", "/") else len(self.root)
-        out: dict[str, int] = {}
+        out: dict[str, tuple[int, float | None]] = {}
         for full, info in found.items():
             rel = full[cut:].lstrip("/") if self.root else full
-            if info.get("type", "file") == "file" and not rel.rsplit("/", 1)[-1].startswith("."):
-                out[rel] = int(info.get("size") or 0)
+            if info.get("type", "file") == "file" and (hidden or not rel.rsplit("/", 1)[-1].startswith(".")):
+                out[rel] = (int(info.get("size") or 0), _mtime(info))
         return out
+
+    def incomplete_uploads(self) -> list[tuple[str, str, float | None]]:
+        """``(relative key, upload id, initiated time)`` of every multipart upload under the root
+        that was started and never completed nor aborted (S3 only; others have none)."""
+        if not hasattr(self.fs, "abort_mpu"):
+            return []
+        bucket, key = self.root.split("/", 1) if "/" in self.root else (self.root, "")
+        prefix = key.rstrip("/") + "/" if key else ""
+        out: list[tuple[str, str, float | None]] = []
+        marker: dict[str, str] = {}
+        try:
+            while True:
+                page = self.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **marker)
+                for upload in page.get("Uploads") or []:
+                    out.append((upload["Key"][len(prefix):], upload["UploadId"], _mtime(upload)))
+                if not page.get("IsTruncated"):
+                    return out
+                marker = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
+        except Exception as exc:
+            raise _explain(exc, "list the uploads of", self.url) from exc
+
+    def abort_upload(self, path: str, upload_id: str) -> None:
+        """Abort an incomplete multipart upload: its parts stop taking (billed) space."""
+        bucket = self.root.split("/", 1)[0]
+        try:
+            self.fs.abort_mpu(bucket, self._full(path)[len(bucket) + 1:], upload_id)
+        except FileNotFoundError:
+            pass
+        except Exception as exc:
+            raise _explain(exc, "abort the upload of", f"{self.url}/{path}") from exc
 
     def delete(self, path: str) -> None:
         try:

@@ -11,7 +11,9 @@ import json
 import logging
 import time
 import warnings
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,10 +22,22 @@ from .format import FORMAT_VERSION, BaseName, SegmentName, decode_commit, decode
 from .storage import Storage
 from .tree import unpack_tree
 
-__all__ = ["RUN_FILE", "Inventory", "RestorePlan", "RunStore", "session_path", "tuning_path"]
+__all__ = ["PREFETCH_BYTES", "PREFETCH_SEGMENTS", "RUN_FILE", "Inventory", "ReadStats", "RestorePlan",
+           "RunStore", "session_path", "tuning_path"]
 
 log = logging.getLogger("diffckpt")
 RUN_FILE = "run.json"
+
+PREFETCH_SEGMENTS = 4
+"""Segments :meth:`RunStore.read_records` reads and decodes ahead of replay when not told
+otherwise; 0 reads each one on the replay thread when replay reaches it. A module setting so that
+a benchmark (``bench/restore.py``) can compare both through ``CheckpointEngine.restore``."""
+PREFETCH_BYTES = 256 * 2**20
+"""At most this many encoded bytes are read ahead of the segment being replayed (one segment is
+always read, however large): the window's memory stays bounded whatever the segment size."""
+PREFETCH_WORKERS = 4
+"""Threads that read and decode ahead. Reads wait on storage (an object store's latency) and
+checksums and zstd release the GIL, so a few threads overlap with replay even on two cores."""
 
 
 def session_path(gen: int) -> str:
@@ -77,6 +91,26 @@ class RestorePlan:
     segments: list[SegmentName]
     target: int
     latest: bool
+    sizes: dict[str, int] = field(default_factory=dict)  # encoded bytes per segment path, if listed
+
+    def through_target(self) -> list[SegmentName]:
+        """The segments up to the one holding ``target``: a plan cut back to an earlier target
+        (replay redoing a shorter replay) still lists those after it, and they are never read."""
+        out = []
+        for seg in self.segments:
+            out.append(seg)
+            if seg.last >= self.target:
+                break
+        return out
+
+
+@dataclass
+class ReadStats:
+    """What :meth:`RunStore.read_records` handed its caller, for replay throughput figures."""
+
+    bytes: int = 0  # encoded segment bytes, as stored
+    segments: int = 0
+    wait_s: float = 0.0  # time the caller waited for segments: reads that prefetch did not hide
 
 
 class RunStore:
@@ -86,9 +120,10 @@ class RunStore:
         self.storage = storage
 
     # ----------------------------------------------------------------- listing
-    def inventory(self) -> Inventory:
+    def inventory(self, listing: dict[str, int] | None = None) -> Inventory:
+        """Classify a listing of the run root (``listing``: one already taken, else list now)."""
         inv = Inventory()
-        listing = self.storage.list("")
+        listing = self.storage.list("") if listing is None else listing
         inv.sizes = listing
         for path in listing:
             if (seg := SegmentName.parse(path)) is not None:
@@ -194,10 +229,11 @@ class RunStore:
                 for base in bases:
                     chain = inv.chain(base)
                     plans.append(RestorePlan(base, chain, chain[-1].last if chain else base.step, True))
-                return sorted(plans, key=lambda p: p.target, reverse=True)  # stable: newest base first
+                plans.sort(key=lambda p: p.target, reverse=True)  # stable: newest base first
+                return _sized(plans, inv)
             found = [p for p in (self._plan_for(inv, b, step) for b in bases) if p is not None]
             if found:
-                return found
+                return _sized(found, inv)
         durable = self.durable_ranges(inv)
         raise CheckpointNotFoundError(
             f"step {step} is not durable under {self.storage.url}; durable steps: {durable}. "
@@ -303,37 +339,128 @@ class RunStore:
                 "the base is damaged. Restore an earlier step or verify the storage")
         return info, unpack_tree(data)
 
-    def read_records(self, plan: RestorePlan) -> Iterator[tuple[dict[str, Any] | None, str | None]]:
+    def read_records(self, plan: RestorePlan, *, prefetch: int | None = None,
+                     stats: ReadStats | None = None
+                     ) -> Iterator[tuple[dict[str, Any] | None, str | None]]:
         """Yield ``(record, None)`` for each record after the base up to the target, in order.
 
         On damage it yields ``(None, problem)`` once and stops: the caller decides whether
         the newest good step is acceptable.
+
+        While the caller replays one segment's records, the next ``prefetch`` segments (default
+        :data:`PREFETCH_SEGMENTS`, at most :data:`PREFETCH_BYTES` ahead; 0: none) are read and
+        decoded in background threads, so ``Storage.read`` may run on several threads at once.
+        Results are taken in order, so records, problems and errors are those of a sequential
+        read, and nothing past the segment holding the target is read. Closing the generator
+        early cancels the reads not yet started. ``stats``, if given, adds up what was read.
         """
         expected_after = plan.base.step
-        for seg in plan.segments:
-            try:
-                header, records, problem = decode_segment(self.storage.read(seg.path), seg.path)
-            except (CorruptRecordError, CheckpointNotFoundError) as exc:
-                yield None, str(exc)
-                return
-            if header.get("after") != expected_after or header.get("gen") != seg.gen:
-                yield None, f"{seg.path}: header does not continue the chain at step {expected_after}"
-                return
-            prev = expected_after
-            for record in records:
-                if record.get("prev") != prev:
-                    yield None, f"{seg.path}: record {record.get('step')} does not follow step {prev}"
+        ahead = _Prefetcher(self._fetch, plan.through_target(), plan.sizes,
+                            PREFETCH_SEGMENTS if prefetch is None else prefetch)
+        try:
+            for seg in ahead.segments:
+                waited = time.perf_counter()
+                try:
+                    header, records, problem, nbytes = ahead.take()
+                except (CorruptRecordError, CheckpointNotFoundError) as exc:
+                    yield None, str(exc)
                     return
-                if record["step"] > plan.target:
+                if stats is not None:
+                    stats.bytes += nbytes
+                    stats.segments += 1
+                    stats.wait_s += time.perf_counter() - waited
+                if header.get("after") != expected_after or header.get("gen") != seg.gen:
+                    yield None, f"{seg.path}: header does not continue the chain at step {expected_after}"
                     return
-                yield record, None
-                prev = record["step"]
-            if prev >= plan.target:  # damage after the target does not concern it
+                prev = expected_after
+                for record in records:
+                    if record.get("prev") != prev:
+                        yield None, f"{seg.path}: record {record.get('step')} does not follow step {prev}"
+                        return
+                    if record["step"] > plan.target:
+                        return
+                    yield record, None
+                    prev = record["step"]
+                if prev >= plan.target:  # damage after the target does not concern it
+                    return
+                if problem is not None:
+                    yield None, problem
+                    return
+                if prev != seg.last or header.get("last") != seg.last:
+                    yield None, f"{seg.path}: ends at step {prev}, not at step {seg.last} as its name says"
+                    return
+                expected_after = seg.last
+        finally:
+            ahead.close()
+
+    def _fetch(self, seg: SegmentName) -> _Fetched:
+        """Read and decode one segment (on a prefetch thread, or the caller's)."""
+        data = self.storage.read(seg.path)
+        header, records, problem = decode_segment(data, seg.path)
+        return header, records, problem, len(data)
+
+
+_Fetched = tuple[dict[str, Any], list[Any], str | None, int]  # header, records, problem, bytes
+
+
+def _sized(plans: list[RestorePlan], inv: Inventory) -> list[RestorePlan]:
+    """``plans`` with the listed size of each of their segments, which bounds prefetching."""
+    for plan in plans:
+        plan.sizes = {s.path: inv.sizes.get(s.path, 0) for s in plan.segments}
+    return plans
+
+
+class _Prefetcher:
+    """Reads and decodes segments in order, up to ``depth`` of them (and :data:`PREFETCH_BYTES`)
+    ahead of the one the caller takes, in background threads.
+
+    Replay spends its time in ``optimizer.step()``; without this, each segment's read, checksums
+    and zstd would add to it. Results are taken strictly in order and an error raised by a read
+    reaches the caller only when it takes that segment, so what the caller sees does not depend
+    on ``depth``. With ``depth`` 0, or a single segment, each is read on the caller's thread.
+    """
+
+    def __init__(self, fetch: Callable[[SegmentName], _Fetched], segments: list[SegmentName],
+                 sizes: dict[str, int], depth: int) -> None:
+        self.fetch = fetch
+        self.segments = segments
+        self.sizes = sizes
+        self.depth = max(0, depth) if len(segments) > 1 else 0
+        self.next = 0  # index of the next segment to submit (or, without threads, to read)
+        self.pending: deque[tuple[int, Future[_Fetched]]] = deque()  # (bytes, read) in order
+        self.pool: ThreadPoolExecutor | None = None
+
+    def take(self) -> _Fetched:
+        """The next segment, read and decoded; what the read raised, raised here."""
+        if self.depth == 0:
+            self.next += 1
+            return self.fetch(self.segments[self.next - 1])
+        self._fill()
+        _, future = self.pending.popleft()
+        self._fill()  # the window moves on while the caller waits for, then replays, this one
+        return future.result()
+
+    def _fill(self) -> None:
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(min(self.depth, PREFETCH_WORKERS),
+                                           thread_name_prefix="diffckpt-prefetch")
+        ahead = sum(n for n, _ in self.pending)
+        while self.next < len(self.segments) and len(self.pending) < self.depth:
+            seg = self.segments[self.next]
+            size = self.sizes.get(seg.path, 0)
+            if self.pending and ahead + size > PREFETCH_BYTES:
                 return
-            if problem is not None:
-                yield None, problem
-                return
-            if prev != seg.last or header.get("last") != seg.last:
-                yield None, f"{seg.path}: ends at step {prev}, not at step {seg.last} as its name says"
-                return
-            expected_after = seg.last
+            self.pending.append((size, self.pool.submit(self.fetch, seg)))
+            ahead += size
+            self.next += 1
+
+    def close(self) -> None:
+        """Cancel the reads not started. Without a read running, the idle threads are joined
+        (they end at once); a running read is not waited for: it ends on its own, unused."""
+        if self.pool is None:
+            return
+        for _, future in self.pending:
+            future.cancel()
+        running = any(not future.done() for _, future in self.pending)
+        self.pool.shutdown(wait=not running, cancel_futures=True)
+        self.pending.clear()

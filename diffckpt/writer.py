@@ -26,7 +26,7 @@ import torch
 
 from .capture import fingerprint
 from .errors import ConcurrentWriterError, DiffCkptError, StorageUnavailableError
-from .format import BaseName, SegmentName, digest_parts, encode_commit, encode_segment_parts
+from .format import BaseName, SegmentName, base_commit, encode_segment_parts
 from .measure import Meter
 from .options import CheckpointOptions
 from .retry import RetryingStorage
@@ -318,10 +318,7 @@ class BackgroundWriter:
         if self.meter is not None:
             self.meter.add_base(size, time.monotonic() - start)
         self._commit(name.state_path, parts)
-        digest = digest_parts(parts)
-        commit = {"step": step, "gen": self.gen, "fingerprint": fingerprint(params),
-                  "files": {"state.safetensors": {"size": size, "sha256": digest.hexdigest()}}}
-        self._commit(name.commit_path, encode_commit(commit))
+        self._commit(name.commit_path, base_commit(step, self.gen, fingerprint(params), parts))
         self.stats.write_seconds += time.monotonic() - start
         self.stats.bases += 1
         self.stats.base_bytes += size

@@ -6,11 +6,14 @@ import lightning_ckpt
 
 def test_core_public_api():
     assert sorted(diffckpt.__all__) == [
-        "CheckpointEngine", "CheckpointNotFoundError", "CheckpointOptions", "ConcurrentWriterError",
+        "CheckpointEngine", "CheckpointNotFoundError", "CheckpointOptions", "CompactionResult",
+        "ConcurrentWriterError",
         "CorruptRecordError", "DiffCkptError", "FsspecStorage", "GradientCompressor",
         "IncompatibleCheckpointError",
-        "ReplayMismatchError", "ReplayResult", "RetryPolicy", "Storage", "StorageError",
-        "StorageUnavailableError", "TuningOptions", "UnsupportedConfigurationError", "load_state", "open_storage",
+        "ReplayMismatchError", "ReplayResult", "RetentionPolicy", "RetryPolicy", "Storage", "StorageError",
+        "StorageUnavailableError", "TuningOptions", "UnsupportedConfigurationError", "collect_garbage", "compact",
+        "export_checkpoint",
+        "load_state", "open_storage",
     ]
     assert all(hasattr(diffckpt, name) for name in diffckpt.__all__)
 

@@ -260,9 +260,23 @@ def test_export_torch_from_step_url(run: Run, tmp_path: Path,
     rc, out, _ = cli(capsys, "export", f"{root}/step=4", "-o", out_file)  # the form `ls` prints
     assert rc == 0 and "step 4 (torch, " in out
     obj = torch.load(out_file, weights_only=True)
-    assert obj["step"] == 4 and len(obj["optimizers"]) == 1
+    assert set(obj) == {"model", "optimizer", "step"} and obj["step"] == 4
     for k, v in states[4]["model"].items():
         assert torch.equal(obj["model"][k], v), k
+    want = states[4]["optimizer"]  # one optimizer: its state dict as is, for load_state_dict
+    assert obj["optimizer"]["param_groups"] == want["param_groups"]
+    for i, slots in want["state"].items():
+        for k, v in slots.items():
+            assert torch.equal(obj["optimizer"]["state"][i][k], v), (i, k)
+
+
+def test_export_json(run: Run, tmp_path: Path, capsys: Cap) -> None:
+    root, _ = run
+    out_file = tmp_path / "step9.ckpt"
+    rc, out, _ = cli(capsys, "export", root, "--step", "9", "-o", out_file, "--json")
+    assert rc == 0
+    assert json.loads(out) == {"step": 9, "format": "lightning", "bytes": out_file.stat().st_size,
+                               "base_step": 5, "replayed": 4, "path": str(out_file)}
 
 
 def test_export_non_durable_step_exits_2(run: Run, tmp_path: Path,

@@ -1,0 +1,446 @@
+"""Restore time versus chain length: diffckpt's replay against loading a full Lightning checkpoint.
+
+A plain PyTorch loop trains the GPT of ``examples/gpt.py`` (AdamW + OneCycleLR, gradient
+clipping) for ``--steps`` steps through the core ``CheckpointEngine`` on local disk (a temp dir),
+every step recorded and restorable, ``write_batch`` 8, ``base_every_n_steps=None``: one base at
+step 0 and only diffs after it. Restoring step N then replays N diffs. At each step measured
+(chain lengths 0, 10, 100 and 1000), the loop also keeps a copy of the true model and optimizer
+state and writes a Lightning checkpoint of it: Lightning's own dict (``state_dict``,
+``optimizer_states``, ``lr_schedulers``, loops, hyperparameters) saved by ``TorchCheckpointIO``,
+which is what ``Trainer.save_checkpoint`` does on one device.
+
+Timed, each into a fresh model and optimizer built beforehand:
+
+- ``diffckpt``: ``CheckpointEngine(run).restore(model, [optimizer], step=N)``: listing, plan, base
+  read and checksum, replay of N steps (fingerprints checked every 50 steps, as recorded). The
+  restored tensors are compared with the kept truth (``torch.equal``) after the clock stops.
+- ``lightning``: ``TorchCheckpointIO().load_checkpoint(path)`` (``torch.load``) +
+  ``model.load_state_dict`` + ``optimizer.load_state_dict``, what a Lightning resume does for
+  those tensors.
+
+Every measurement is repeated ``--repeats`` times, interleaved (the order reverses every other
+repeat), and the median is reported. The page cache is warm unless a row says ``cold``: then every
+file of the run (or the Lightning checkpoint) is dropped from the page cache first
+(``posix_fadvise(DONTNEED)``; the disk's own cache, if the machine is virtual, stays). For the
+longest chain, prefetching (segments read and decoded ahead of replay, ``diffckpt.store.
+PREFETCH_SEGMENTS``, 4 by default) is compared with none (0). Unless ``--no-codec``, a second run
+trains with ``TopK(0.01)`` compressed gradients (the payloads are the diffs) and its longest chain
+is restored too.
+
+    python bench/restore.py [--steps 1000] [--repeats 3] [--size demo] [--threads 1]
+                            [--no-codec] [--quick]
+
+Writes ``bench/results/restore.md`` (``restore-quick.md`` with ``--quick``: the tiny model, 30
+steps, one repeat).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import logging
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from torch.nn import functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
+
+from gpt import GPT, SIZES, make_loader
+from provenance import header, report_path, write_report
+
+import diffckpt.store
+from diffckpt import CheckpointEngine, CheckpointOptions, GradientCompressor
+from diffckpt.capture import clone_tree
+from diffckpt.codecs import TopK
+from diffckpt.store import RunStore
+
+CHAINS = (0, 10, 100, 1000)
+WRITE_BATCH = 8
+
+
+@dataclass
+class Run:
+    """A trained run root, what was true at each measured step, and the Lightning checkpoints."""
+
+    root: str
+    codec: bool
+    steps: int
+    train_s: float = 0.0
+    truth: dict[int, dict[str, Any]] = field(default_factory=dict)
+    lightning: dict[int, str] = field(default_factory=dict)  # step -> .ckpt path
+
+
+def chains(steps: int) -> list[int]:
+    """Chain lengths measured: those of :data:`CHAINS` below ``steps``, and ``steps``."""
+    return [n for n in CHAINS if n < steps] + [steps]
+
+
+def new_model(args: argparse.Namespace, codec: bool) -> tuple[GPT, Any, Any, Any]:
+    """A fresh model, its AdamW and OneCycleLR, and (for the codec run) a TopK compressor."""
+    model = GPT(args.size, total_steps=args.steps)
+    conf = model.configure_optimizers()
+    compressor = None
+    if codec:
+        compressor = GradientCompressor(TopK(0.01), model)
+        compressor.set_clipping("norm", model.hparams.clip)
+    return model, conf["optimizer"], conf["lr_scheduler"]["scheduler"], compressor
+
+
+def batches(size: str) -> Iterator[torch.Tensor]:
+    loader = make_loader(size)
+    while True:
+        yield from loader
+
+
+def train_step(model: GPT, opt: Any, sched: Any, batch: torch.Tensor,
+               compressor: GradientCompressor | None) -> None:
+    """``gpt.plain_step``, with the codec applied between backward and clipping when given.
+
+    Clipping goes over the optimizer's parameters in param-group order, as Lightning clips and
+    as replay re-applies a compressed step's recorded clipping: the total norm is a float sum,
+    and over ``model.parameters()`` (another order here) it differs in the last bits."""
+    x, y = batch[:, :-1], batch[:, 1:]
+    opt.zero_grad(set_to_none=True)
+    F.cross_entropy(model(x).reshape(-1, model.cfg.vocab), y.reshape(-1)).backward()
+    if compressor is not None:
+        compressor.compress_(model.parameters())
+    params = [p for group in opt.param_groups for p in group["params"]]
+    torch.nn.utils.clip_grad_norm_(params, model.hparams.clip)
+    opt.step()
+    sched.step()
+
+
+def lightning_checkpoint(model: GPT, opt: Any, sched: Any, step: int) -> dict[str, Any]:
+    """The dict Lightning's checkpoint connector dumps for this state on one device."""
+    return {
+        "epoch": 0, "global_step": step, "pytorch-lightning_version": L.__version__,
+        "state_dict": model.state_dict(), "loops": {}, "callbacks": {},
+        "optimizer_states": [opt.state_dict()], "lr_schedulers": [sched.state_dict()],
+        "hparams_name": "kwargs", "hyper_parameters": dict(model.hparams),
+    }
+
+
+def train(args: argparse.Namespace, workdir: str, codec: bool) -> Run:
+    """Train ``args.steps`` steps into a new run root under ``workdir``, keeping the truth (and,
+    for the dense run, a Lightning checkpoint) at each step of :func:`chains`."""
+    run = Run(os.path.join(workdir, "topk" if codec else "dense"), codec, args.steps)
+    torch.manual_seed(0)
+    model, opt, sched, compressor = new_model(args, codec)
+    engine = CheckpointEngine(run.root, CheckpointOptions(
+        every_n_steps=1, write_batch=WRITE_BATCH, base_every_n_steps=None))
+    engine.start(model, [opt], 0, compressor=compressor)
+    measured = set(chains(args.steps))
+    data = batches(args.size)
+    start = time.perf_counter()
+    for step in range(args.steps + 1):
+        if step:
+            train_step(model, opt, sched, next(data), compressor)
+        state = {"step": step, "scheduler": sched.state_dict(), "rng": torch.get_rng_state()}
+        if step:
+            engine.record_step(step, state)
+        else:
+            codec_states = [compressor.state_dict()] if compressor is not None else None
+            engine.write_base(0, model.state_dict(), [opt.state_dict()], state, codec_states)
+        if step in measured:
+            run.truth[step] = {"model": clone_tree(model.state_dict()),
+                               "optimizer": clone_tree(opt.state_dict())}
+            if not codec:
+                path = os.path.join(workdir, "lightning", f"step={step}.ckpt")
+                TorchCheckpointIO().save_checkpoint(lightning_checkpoint(model, opt, sched, step), path)
+                run.lightning[step] = path
+    engine.close()
+    run.train_s = time.perf_counter() - start
+    return run
+
+
+# ------------------------------------------------------------------------------ measuring
+def evict(paths: list[str]) -> None:
+    """Drop ``paths`` from the page cache (clean pages only; the files were fsynced or closed)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def files_under(root: str) -> list[str]:
+    return [os.path.join(d, n) for d, _, names in os.walk(root) for n in names]
+
+
+@contextlib.contextmanager
+def prefetching(depth: int) -> Iterator[None]:
+    """Replay with ``depth`` segments read ahead (0: each read when replay reaches it)."""
+    saved = diffckpt.store.PREFETCH_SEGMENTS
+    diffckpt.store.PREFETCH_SEGMENTS = depth
+    try:
+        yield
+    finally:
+        diffckpt.store.PREFETCH_SEGMENTS = saved
+
+
+def assert_bitwise(truth: dict[str, Any], model: GPT, opt: Any, what: str) -> None:
+    """The restored model and optimizer are the true ones, tensor for tensor."""
+    def flat(obj: Any) -> Iterator[Any]:
+        if isinstance(obj, dict):
+            for k in sorted(obj, key=str):
+                yield from flat(obj[k])
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                yield from flat(v)
+        else:
+            yield obj
+
+    got = list(flat({"model": model.state_dict(), "optimizer": opt.state_dict()}))
+    want = list(flat(truth))
+    same = len(got) == len(want) and all(
+        torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(got, want))
+    if not same:
+        sys.exit(f"{what}: the restored state differs from the state trained")
+
+
+def time_diffckpt(args: argparse.Namespace, run: Run, step: int, cold: bool,
+                  depth: int) -> dict[str, float]:
+    model, opt, _, compressor = new_model(args, run.codec)
+    if cold:
+        evict(files_under(run.root))
+    gc.collect()
+    engine = CheckpointEngine(run.root)
+    with prefetching(depth):
+        start = time.perf_counter()
+        result = engine.restore(model, [opt], step, compressor=compressor)
+        seconds = time.perf_counter() - start
+    assert_bitwise(run.truth[step], model, opt, f"restore of step {step}")
+    return {"s": seconds, "replay_s": result.replay_s, "steps_per_s": result.steps_per_s,
+            "mib_per_s": result.read_mib_per_s, "wait_s": result.read_wait_s,
+            "read_bytes": result.read_bytes, "replayed": result.replayed}
+
+
+def time_lightning(args: argparse.Namespace, run: Run, step: int, cold: bool) -> dict[str, float]:
+    model, opt, _, _ = new_model(args, False)
+    path = run.lightning[step]
+    if cold:
+        evict([path])
+    gc.collect()
+    start = time.perf_counter()
+    ckpt = TorchCheckpointIO().load_checkpoint(path)
+    model.load_state_dict(ckpt["state_dict"])
+    opt.load_state_dict(ckpt["optimizer_states"][0])
+    seconds = time.perf_counter() - start
+    assert_bitwise(run.truth[step], model, opt, f"Lightning checkpoint of step {step}")
+    return {"s": seconds}
+
+
+def chain_bytes(run: Run, step: int) -> int:
+    """Bytes on storage that a restore of ``step`` reads: the base and its segments up to the
+    one holding ``step`` (read whole)."""
+    store = RunStore(CheckpointEngine(run.root).storage)
+    inv = store.inventory()
+    plan = store.plan(step, inv)
+    base = [p for p in inv.sizes if p.startswith(os.path.dirname(plan.base.commit_path) + "/")]
+    return sum(inv.sizes[p] for p in base) + sum(plan.sizes.values())
+
+
+Case = tuple[str, ...]
+
+
+def cases(dense: Run, topk: Run | None) -> dict[Case, Callable[[argparse.Namespace], dict[str, float]]]:
+    """Every measurement, by name: (kind, chain length, cache, prefetch)."""
+    longest = dense.steps
+    out: dict[Case, Callable[[argparse.Namespace], dict[str, float]]] = {}
+    for n in chains(dense.steps):
+        out["diffckpt", str(n), "warm", "on"] = lambda a, n=n: time_diffckpt(a, dense, n, False, 4)
+        out["lightning", str(n), "warm", ""] = lambda a, n=n: time_lightning(a, dense, n, False)
+    out["diffckpt", str(longest), "warm", "off"] = lambda a: time_diffckpt(a, dense, longest, False, 0)
+    for depth, name in ((4, "on"), (0, "off")):
+        out["diffckpt", str(longest), "cold", name] = (
+            lambda a, d=depth: time_diffckpt(a, dense, longest, True, d))
+    out["lightning", str(longest), "cold", ""] = lambda a: time_lightning(a, dense, longest, True)
+    if topk is not None:
+        for depth, name in ((4, "on"), (0, "off")):
+            out["topk", str(longest), "warm", name] = (
+                lambda a, d=depth: time_diffckpt(a, topk, longest, False, d))
+    return out
+
+
+def measure(args: argparse.Namespace, todo: dict[Case, Callable[[argparse.Namespace], dict[str, float]]]
+            ) -> dict[Case, list[dict[str, float]]]:
+    results: dict[Case, list[dict[str, float]]] = {c: [] for c in todo}
+    names = list(todo)
+    for rep in range(args.repeats):
+        for case in names if rep % 2 == 0 else reversed(names):
+            r = todo[case](args)
+            results[case].append(r)
+            print(f"repeat {rep + 1}/{args.repeats} {' '.join(c for c in case if c):28s} "
+                  f"{r['s']:7.3f} s", flush=True)
+    return results
+
+
+# ---------------------------------------------------------------------------------- report
+def med(runs: list[dict[str, float]], key: str = "s") -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def mb(n: float) -> str:
+    return f"{n / 1e6:.1f} MB" if n < 1e9 else f"{n / 1e9:.2f} GB"
+
+
+def chain_table(results: dict[Case, list[dict[str, float]]], dense: Run, topk: Run | None
+                ) -> list[str]:
+    lines = [
+        "| chain (diffs replayed) | diffckpt restore s | base + plan s | replay s | steps/s "
+        "| MiB/s read | read wait s | bytes on storage (chain) | Lightning load s | diffckpt / Lightning |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    rows = [(str(n), dense, ("diffckpt", str(n), "warm", "on")) for n in chains(dense.steps)]
+    if topk is not None:
+        rows.append((f"{topk.steps}, TopK(0.01)", topk, ("topk", str(topk.steps), "warm", "on")))
+    for label, run, case in rows:
+        runs = results[case]
+        n = int(case[1])
+        light = med(results["lightning", str(n), "warm", ""])
+        t = med(runs)
+        replay = med(runs, "replay_s")
+        lines.append("| " + " | ".join([
+            label, f"{t:.3f}", f"{t - replay:.3f}", f"{replay:.3f}",
+            f"{med(runs, 'steps_per_s'):.0f}" if n else "-",
+            f"{med(runs, 'mib_per_s'):.0f}" if n else "-",
+            f"{med(runs, 'wait_s'):.3f}", mb(chain_bytes(run, n)), f"{light:.3f}",
+            f"{t / light:.1f}x"]) + " |")
+    return lines
+
+
+def prefetch_table(results: dict[Case, list[dict[str, float]]], dense: Run, topk: Run | None
+                   ) -> list[str]:
+    n = str(dense.steps)
+    lines = [
+        f"| run, chain {n} | page cache | prefetch | restore s | replay s | steps/s | MiB/s read "
+        "| read wait s | prefetch on / off | Lightning load s |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    groups = [("dense", "diffckpt", "warm"), ("dense", "diffckpt", "cold")]
+    if topk is not None:
+        groups.append(("TopK(0.01)", "topk", "warm"))
+    for label, kind, cache in groups:
+        off = med(results[kind, n, cache, "off"])
+        light = results.get(("lightning", n, cache, ""))
+        for name in ("on", "off"):
+            runs = results[kind, n, cache, name]
+            t = med(runs)
+            lines.append("| " + " | ".join([
+                label, cache, "4 segments" if name == "on" else "none", f"{t:.3f}",
+                f"{med(runs, 'replay_s'):.3f}", f"{med(runs, 'steps_per_s'):.0f}",
+                f"{med(runs, 'mib_per_s'):.0f}", f"{med(runs, 'wait_s'):.3f}",
+                f"{t / off:.2f}x" if name == "on" else "1.00x",
+                f"{med(light):.3f}" if light and kind == "diffckpt" else "-"]) + " |")
+    return lines
+
+
+NOTES = (
+    "`diffckpt restore s`: `CheckpointEngine.restore` into a fresh model and AdamW, median of the "
+    "repeats. `base + plan s`: of that, everything before replay (listing, plan, base read, "
+    "checksum and load into the model); `replay s`, `steps/s`, `MiB/s read` and `read wait s` "
+    "come from the `ReplayResult` (`replay_s`, `steps_per_s`, `read_mib_per_s`, `read_wait_s`: "
+    "the time replay waited for segment data, what prefetching did not hide). `bytes on storage "
+    "(chain)`: the base and every segment up to the one holding the step (segments hold "
+    f"{WRITE_BATCH} steps and are read whole). `Lightning load s`: `TorchCheckpointIO."
+    "load_checkpoint` + `model.load_state_dict` + `optimizer.load_state_dict` of a checkpoint of "
+    "the same step (at step 0, AdamW has no moments yet on either side). `cold`: the files "
+    "dropped from the page cache before each restore. Every restore is checked bitwise against "
+    "the state trained."
+)
+
+
+def machine_info(args: argparse.Namespace, dense: Run, topk: Run | None) -> list[str]:
+    cfg = SIZES[args.size]
+    n_params = sum(p.numel() for p in GPT(args.size).parameters())
+    full = os.path.getsize(dense.lightning[dense.steps])
+    diffs = sum(os.path.getsize(p) for p in files_under(os.path.join(dense.root, "diffs")))
+    lines = [
+        *header(f"lightning {L.__version__}; core engine, plain PyTorch loop",
+                " (`--threads`; prefetch threads and replay share the cores)"),
+        f"- model: GPT '{args.size}', {n_params / 1e6:.2f}M parameters (fp32), batch "
+        f"{cfg.batch_size} x {cfg.ctx} tokens, AdamW + OneCycleLR, gradient clipping",
+        f"- run: {args.steps} steps, every step restorable, write_batch {WRITE_BATCH}, one base "
+        f"(step 0), fingerprints every 50 steps; local disk (a temp dir); trained in "
+        f"{dense.train_s:.0f} s; diffs {mb(diffs)} ({mb(diffs / args.steps)} per step); Lightning "
+        f"checkpoint at step {args.steps}: {mb(full)}",
+    ]
+    if topk is not None:
+        tdiffs = sum(os.path.getsize(p) for p in files_under(os.path.join(topk.root, "diffs")))
+        lines.append(f"- TopK(0.01) run: the same loop with compressed gradients (the payloads are "
+                     f"the diffs); trained in {topk.train_s:.0f} s; diffs {mb(tdiffs)} "
+                     f"({mb(tdiffs / args.steps)} per step)")
+    lines.append(f"- {args.repeats} repeats of every measurement, interleaved; medians")
+    return lines
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=1000, help="steps trained: the longest chain")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--size", default="demo", choices=sorted(SIZES))
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    ap.add_argument("--codec", action=argparse.BooleanOptionalAction, default=True,
+                    help="also train and restore a TopK(0.01) run (default: yes)")
+    ap.add_argument("--tmp", help="parent of the temp run dir (default: the system temp dir)")
+    ap.add_argument("--out", help="Markdown report path")
+    ap.add_argument("--quick", action="store_true", help="smoke run: tiny model, 30 steps, 1 repeat")
+    args = ap.parse_args()
+    if args.quick:
+        args.size, args.steps, args.repeats = "tiny", 30, 1
+    if args.steps < 1:
+        sys.exit("--steps must be at least 1")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    warnings.filterwarnings("ignore")
+    logging.getLogger("diffckpt").setLevel(logging.ERROR)
+    torch.set_num_threads(args.threads)
+    out = report_path(args.out, "restore", args.quick)
+    workdir = tempfile.mkdtemp(prefix="bench-restore-", dir=args.tmp)
+    t_start = time.perf_counter()
+    try:
+        dense = train(args, workdir, codec=False)
+        print(f"trained {args.steps} dense steps in {dense.train_s:.1f} s", flush=True)
+        topk = train(args, workdir, codec=True) if args.codec else None
+        if topk is not None:
+            print(f"trained {args.steps} TopK steps in {topk.train_s:.1f} s", flush=True)
+        results = measure(args, cases(dense, topk))
+        wall = time.perf_counter() - t_start
+        load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
+        sections = [
+            "## Restore time versus chain length (warm page cache, prefetch on)", "",
+            *chain_table(results, dense, topk), "",
+            f"## Prefetching, chain {args.steps}", "", *prefetch_table(results, dense, topk), "",
+            NOTES,
+        ]
+        report = ["# Restore time versus chain length", "", *machine_info(args, dense, topk),
+                  f"- bench wall time {wall:.0f} s; load average after it {load}", "", *sections, ""]
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    print("\n" + "\n".join(sections))
+    write_report(out, report)
+    print(f"\nwritten to {out} ({wall:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""What every ``diffckpt`` subcommand shares: opening the run named on the command line, sizes,
+times, tables and progress on the terminal."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+import warnings
+from datetime import datetime, timezone
+from typing import Any
+
+from .errors import CheckpointNotFoundError, UnsupportedConfigurationError
+from .storage import open_storage
+from .store import RUN_FILE, Inventory, RunStore
+
+__all__ = ["bar", "human", "open_run", "progress", "reemit", "split_target", "storage_options", "table", "when"]
+
+_STEP_RE = re.compile(r"^(.*)/step=(\d+)$")
+_BAR = {"started": 0.0}
+
+
+def progress(text: str = "") -> None:
+    """Show ``text`` on one refreshed stderr line (``""`` clears it), only on a terminal."""
+    # Not when redirected: scripted and tested output stays deterministic.
+    if sys.stderr.isatty():
+        sys.stderr.write("\r\033[K" + text[:120])
+        sys.stderr.flush()
+
+
+def bar(done: int, total: int, label: str, detail: str = "", unit: str = "") -> None:
+    """A progress bar with the rate so far: ``replaying [#####     ] 512/1000 (340 steps/s) ...``."""
+    if not sys.stderr.isatty():
+        return
+    now = time.monotonic()
+    if done == 0 or not _BAR["started"]:
+        _BAR["started"] = now
+    width = 24
+    filled = width * done // total if total else width
+    elapsed = now - _BAR["started"]
+    rate = f" ({done / elapsed:.0f}{' ' + unit if unit else ''}/s)" if elapsed > 0.2 and done else ""
+    progress(f"{label} [{'#' * filled}{' ' * (width - filled)}] {done}/{total}{rate} {detail}")
+
+
+def reemit(caught: list[warnings.WarningMessage]) -> list[str]:
+    """Print warnings caught during a replay; return diffckpt's own (damage met on the way)."""
+    for w in caught:
+        print(f"warning: {w.message}", file=sys.stderr)
+    return [str(w.message) for w in caught if str(w.message).startswith("diffckpt")]
+
+
+def human(n: float) -> str:
+    if n < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
+        n /= 1024
+        if n < 1024 or unit == "GiB":
+            break
+    return f"{n:.1f} {unit}"
+
+
+def when(ts: Any) -> str:
+    # UTC, so that listings compare across machines and time zones.
+    if not isinstance(ts, (int, float)):
+        return "?"
+    return datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    rows = [headers, *rows]
+    # The last column is not padded: it holds paths, whose length must not shift the others.
+    widths = [max(len(r[i]) for r in rows) for i in range(len(headers) - 1)]
+    return ["  " + "  ".join([*map(str.ljust, r[:-1], widths), r[-1]]).rstrip() for r in rows]
+
+
+def split_target(url: str) -> tuple[str, int | None]:
+    """Accept what ``ls`` prints as ckpt_path: the root, ``<root>/step=N``, ``<root>/run.json``."""
+    url = url.rstrip("/") or url
+    if (m := _STEP_RE.match(url)) is not None:
+        return m[1], int(m[2])
+    return url.removesuffix("/" + RUN_FILE), None
+
+
+def storage_options(pairs: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise UnsupportedConfigurationError(f"--storage-option wants KEY=VALUE, got {pair!r}")
+        try:  # numbers, booleans and nested dicts (client_kwargs) arrive as JSON
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out
+
+
+def open_run(args: argparse.Namespace) -> tuple[RunStore, Inventory, int | None]:
+    """The run named on the command line, its inventory and the step its URL names, if any."""
+    root, step = split_target(args.url)
+    # Absolute, so the ckpt_path that `ls` prints works from any working directory.
+    root = root if "://" in root else os.path.abspath(root)
+    store = RunStore(open_storage(root, **storage_options(args.storage_option)))
+    inv = store.inventory()
+    if not (inv.bases or inv.sessions or store.is_run()):
+        raise CheckpointNotFoundError(
+            f"no diffckpt run under {root}: it holds no {RUN_FILE}, sessions or bases. Pass the "
+            "dirpath given to DiffCheckpoint (a local path or fsspec URL)")
+    return store, inv, args.step if getattr(args, "step", None) is not None else step

@@ -1,0 +1,133 @@
+"""Write a durable step as a plain checkpoint file that loads without diffckpt.
+
+Formats: ``lightning`` (a ``.ckpt`` that ``LightningModule.load_from_checkpoint`` accepts),
+``torch`` (``{"model", "optimizer", "step"}`` for plain PyTorch) and ``safetensors`` (the model's
+tensors only). Each loads with ``torch.load(weights_only=True)`` or
+``safetensors.torch.load_file``, and on a machine without the device the run was replayed on.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import io
+import os
+from typing import Any
+
+import numpy as np
+import safetensors.torch
+import torch
+
+from .errors import UnsupportedConfigurationError
+from .loading import load_state
+from .storage import FsspecStorage, Storage
+
+__all__ = ["FORMATS", "export_checkpoint"]
+
+FORMATS = ("lightning", "torch", "safetensors")
+_BY_EXTENSION = {".ckpt": "lightning", ".safetensors": "safetensors"}
+
+
+def export_checkpoint(url: str | os.PathLike[str] | Storage, output: str | os.PathLike[str],
+                      step: int | None = None, *, format: str | None = None, device: str = "cpu",
+                      storage_options: dict[str, Any] | None = None, verify: bool = True,
+                      allow_modules: tuple[str, ...] = ("torch.",)) -> dict[str, Any]:
+    """Rebuild ``step`` (newest durable if ``None``) of the run at ``url`` and write it to ``output``.
+
+    The file is written whole or not at all (through :meth:`FsspecStorage.write`), so an
+    interrupted export never leaves a truncated checkpoint behind.
+
+    Args:
+        url: run root (local path, fsspec URL or :class:`Storage`).
+        output: file to write, a local path or an fsspec URL.
+        format: ``"lightning"``, ``"torch"`` or ``"safetensors"``; by default from ``output``'s
+            extension: ``.ckpt`` lightning, ``.safetensors`` safetensors, anything else torch.
+        device, storage_options, verify, allow_modules: as in :func:`load_state`;
+            ``storage_options`` apply to the run, not to ``output``.
+
+    Returns:
+        ``{"step", "format", "bytes", "base_step", "replayed", "path"}``.
+
+    Raises:
+        CheckpointNotFoundError: ``step`` is not durable (nothing is written).
+        UnsupportedConfigurationError: an unknown ``format``, or ``output`` names a directory.
+        StorageError: ``output`` cannot be written.
+    """
+    output = os.fspath(output)
+    fmt = _format_for(output, format)
+    directory, name = _split_output(output)  # usage errors before a replay that may take minutes
+    result = load_state(url, step, device=device, storage_options=storage_options, verify=verify,
+                        allow_modules=allow_modules)
+    data = _serialize(result, fmt)
+    FsspecStorage(directory).write(name, data)
+    return {"step": result["step"], "format": fmt, "bytes": len(data), "base_step": result["base_step"],
+            "replayed": result["replayed"], "path": os.path.join(directory, name) if "://" not in output
+            else output}
+
+
+def _format_for(output: str, fmt: str | None) -> str:
+    """The format asked for, else the one ``output``'s extension implies."""
+    if fmt is None:
+        return _BY_EXTENSION.get(os.path.splitext(output)[1].lower(), "torch")
+    if fmt not in FORMATS:
+        raise UnsupportedConfigurationError(f"export format {fmt!r} is not one of {', '.join(FORMATS)}")
+    return fmt
+
+
+def _split_output(output: str) -> tuple[str, str]:
+    """``(directory, file name)`` of ``output``; a local directory is made absolute."""
+    if output.endswith(("/", os.sep)):
+        raise UnsupportedConfigurationError(
+            f"export output {output!r} names a directory; pass a file name, e.g. {output}step.ckpt")
+    if "://" in output:
+        directory, _, name = output.rpartition("/")
+        return directory, name
+    return os.path.split(os.path.abspath(output))
+
+
+def _serialize(result: dict[str, Any], fmt: str) -> bytes:
+    """The bytes of the file in format ``fmt`` for a :func:`load_state` result."""
+    model, step = result["model"], result["step"]
+    if fmt == "safetensors":
+        return safetensors.torch.save(_portable(model), metadata={"format": "pt", "diffckpt.step": str(step)})
+    optimizers = result["optimizers"]
+    if fmt == "lightning":
+        state = result["state"]
+        obj: dict[str, Any] = dict(state) if isinstance(state, dict) else {"state": state}
+        obj.setdefault("global_step", step)
+        obj.setdefault("pytorch-lightning_version", _lightning_version())
+        obj.update(state_dict=model, optimizer_states=optimizers)
+    else:  # what plain PyTorch code loads: one optimizer's state as is, several as a list
+        obj = {"model": model, "optimizer": optimizers[0] if len(optimizers) == 1 else optimizers,
+               "step": step}
+    buf = io.BytesIO()
+    torch.save(_portable(obj), buf)
+    return buf.getvalue()
+
+
+def _portable(obj: Any) -> Any:
+    """``obj`` with numpy values as torch tensors and Python scalars, and tensors on the CPU.
+
+    ``torch.load(weights_only=True)`` (what ``LightningModule.load_from_checkpoint`` uses) refuses
+    numpy objects, and the recorded state holds some (DiffCheckpoint's numpy RNG state, for one).
+    CPU tensors load on any machine, whatever device the run was replayed on.
+    """
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(obj).copy())
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, dict):
+        return {_portable(k): _portable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_portable(v) for v in obj)
+    return obj
+
+
+def _lightning_version() -> str:
+    # Lightning's loader requires this key and runs recorded without Lightning lack it. Read it
+    # from package metadata: the core never imports a framework.
+    try:
+        return importlib.metadata.version("lightning")
+    except importlib.metadata.PackageNotFoundError:
+        return "2.0.0"

@@ -1,0 +1,105 @@
+"""Compaction and retention while training runs, in one background thread of the writing process.
+
+The training thread only wakes the thread (an ``Event``); the work reads and writes storage like
+another process would, so training never waits for it. Compaction comes first: once the durable
+step is ``compact_every_n_steps`` past the newest base, a base is rolled forward to it. Retention
+follows whenever a new base has become durable (written by training or compacted), so deletion
+always follows newer durable state. A failure is logged and retried at the next occasion: it
+never stops training, and nothing it leaves half done affects a restore.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from .compaction import compact
+from .retention import RetentionPolicy, apply_gc, plan_gc
+from .storage import Storage
+from .store import RunStore
+
+__all__ = ["Maintenance"]
+
+log = logging.getLogger("diffckpt")
+
+
+class Maintenance:
+    """The background compaction and retention of one writer session.
+
+    Args:
+        storage: the run's storage.
+        progress: returns ``(durable step, newest base step queued by training, bases committed)``.
+        compact_every_n_steps: roll a base forward once the durable step is this far past the
+            newest base (``None``: never).
+        retention: what to keep (``None``: delete nothing).
+        device: where compaction replays.
+    """
+
+    def __init__(self, storage: Storage, progress: Callable[[], tuple[int | None, int, int]], *,
+                 compact_every_n_steps: int | None, retention: RetentionPolicy | None,
+                 device: str = "cpu") -> None:
+        self.store = RunStore(storage)
+        self.progress = progress
+        self.compact_every_n_steps = compact_every_n_steps
+        self.retention = retention
+        self.device = device
+        self.compactions: list[dict[str, Any]] = []
+        self.collections: list[dict[str, int]] = []
+        self.errors: list[str] = []
+        self._compacted = -1
+        self._bases_seen = 0
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="diffckpt-maintenance", daemon=True)
+        self._thread.start()
+
+    def poke(self) -> None:
+        """Tell the thread that the durable step may have moved (cheap; call after each step)."""
+        self._wake.set()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Finish the job under way, run a last retention pass and stop (waiting at most
+        ``timeout`` seconds)."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("diffckpt: background compaction/retention still running after %.0fs; left to "
+                        "finish on its own (an unfinished one leaves nothing a restore would use)", timeout)
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            final = self._stop.is_set()  # closing: only retention over what is now durable
+            try:
+                self.run_once(compaction=not final)
+            except Exception as exc:  # noqa: BLE001  # never stops training; retried next time
+                self.errors.append(str(exc))
+                log.warning("diffckpt: background compaction/retention failed (training goes on; retried "
+                            "at the next base): %s", exc)
+            if final:
+                return
+
+    def run_once(self, compaction: bool = True) -> None:
+        """One pass: compact if due, then collect garbage if a new base became durable."""
+        durable, newest_base, committed = self.progress()
+        if durable is None:
+            return
+        collect = committed != self._bases_seen
+        self._bases_seen = committed
+        n = self.compact_every_n_steps
+        if compaction and n is not None and durable - max(newest_base, self._compacted) >= n:
+            self._compacted = durable  # a failure is retried n steps later, not at every step
+            result = compact(self.store.storage, durable, device=self.device, by="background compaction")
+            self.compactions.append(result.to_json())
+            collect = True
+        if self.retention is not None and collect:
+            plan = plan_gc(self.store, self.retention)
+            if plan.objects:
+                done = apply_gc(self.store, plan)
+                self.collections.append(done)
+                log.info("diffckpt: retention removed %d objects (%.1f MiB) of %s", done["objects"],
+                         done["bytes"] / 2**20, self.store.storage.url)

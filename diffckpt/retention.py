@@ -1,0 +1,334 @@
+"""Retention: which objects of a run are still needed, and deleting the rest without ever
+leaving the run unrestorable.
+
+A policy names the restorable steps to keep. Each kept step needs one committed base and the
+segments from it up to the step (its *chain*); everything no kept step needs may go. The newest
+durable step is always kept, so deletion only ever follows newer state that is already durable.
+
+Deletion order makes a kill at any instant harmless: segments go first (a base whose chain is
+cut short still restores the steps before the cut), then each base's ``COMMIT`` marker (the
+base stops being committed), then its files. Whatever a killed run leaves behind is unneeded by
+the same rules and goes on the next run. Leftovers of interrupted writes (uncommitted base
+files, local temporary files, incomplete multipart uploads, tuning probes) go once they are older
+than ``min_age_s``, so a writer still at work is never disturbed.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import DiffCkptError, UnsupportedConfigurationError
+from .format import BaseName, SegmentName
+from .retry import unwrap
+from .storage import Storage, open_storage
+from .store import Inventory, RunStore
+
+__all__ = ["GcPlan", "RetentionPolicy", "apply_gc", "collect_garbage", "plan_gc"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetentionPolicy:
+    """Which restorable steps a run keeps; any combination, each keeps what it names.
+
+    Attributes:
+        keep_last_bases: keep the ``N`` newest bases and every step from the oldest of them on
+            (their chains), so everything in that window stays restorable.
+        keep_every_n_steps: keep one restorable step per window of ``K`` steps (``[0, K)``,
+            ``[K, 2K)``, ...) for later analysis: a base in the window if there is one, else the
+            first durable step in it with the base and diffs it needs.
+        keep_newer_than_s: keep everything written in the last ``T`` seconds (and the bases and
+            diffs those steps need).
+        min_age_s: leftovers of interrupted writes are removed once this old (a writer that is
+            still at work is never disturbed).
+
+    With none of the ``keep_*`` set, every step stays restorable and only unneeded objects
+    (leftovers, diffs nothing can reach any more) are removed.
+    """
+
+    keep_last_bases: int | None = None
+    keep_every_n_steps: int | None = None
+    keep_newer_than_s: float | None = None
+    min_age_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        for name in ("keep_last_bases", "keep_every_n_steps"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        for name in ("keep_newer_than_s", "min_age_s"):
+            value = getattr(self, name)
+            if value is None and name == "keep_newer_than_s":
+                continue
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be a non-negative number of seconds, got {value!r}")
+
+    @property
+    def keeps_everything(self) -> bool:
+        return self.keep_last_bases is None and self.keep_every_n_steps is None and self.keep_newer_than_s is None
+
+
+@dataclass
+class Kept:
+    """A restorable step the policy keeps, the base it restores from, and why."""
+
+    gen: int
+    step: int
+    base: int
+    reasons: list[str]
+
+
+@dataclass
+class Leftover:
+    """Something an interrupted write left: a file, or an incomplete upload (``upload_id``)."""
+
+    path: str
+    size: int
+    kind: str
+    upload_id: str | None = None
+
+
+@dataclass
+class GcPlan:
+    """What a garbage collection keeps and deletes, computed from one listing."""
+
+    url: str
+    kept: list[Kept] = field(default_factory=list)
+    segments: list[SegmentName] = field(default_factory=list)
+    bases: list[BaseName] = field(default_factory=list)
+    base_files: dict[BaseName, list[str]] = field(default_factory=dict)
+    leftovers: list[Leftover] = field(default_factory=list)
+    sizes: dict[str, int] = field(default_factory=dict)
+    kept_beyond_gaps: list[str] = field(default_factory=list)
+    applied: bool = False  # whether the deletions were carried out
+
+    @property
+    def objects(self) -> int:
+        return len(self.segments) + sum(len(f) for f in self.base_files.values()) + len(self.leftovers)
+
+    @property
+    def bytes(self) -> int:
+        files = [s.path for s in self.segments] + [p for f in self.base_files.values() for p in f]
+        return sum(self.sizes.get(p, 0) for p in files) + sum(x.size for x in self.leftovers)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "url": self.url, "objects": self.objects, "bytes": self.bytes,
+            "kept": [{"gen": k.gen, "step": k.step, "base": k.base, "reasons": k.reasons} for k in self.kept],
+            "delete": {
+                "segments": [{"path": s.path, "bytes": self.sizes.get(s.path, 0)} for s in self.segments],
+                "bases": [{"path": b.dir, "step": b.step, "gen": b.gen,
+                           "bytes": sum(self.sizes.get(p, 0) for p in self.base_files[b])} for b in self.bases],
+                "leftovers": [{"path": x.path, "kind": x.kind, "bytes": x.size} for x in self.leftovers],
+            },
+            "kept_beyond_gaps": self.kept_beyond_gaps, "applied": self.applied,
+        }
+
+
+# ------------------------------------------------------------------------------ planning
+def _ends(inv: Inventory, base: BaseName) -> list[int]:
+    """Restorable steps of ``base``'s chain that need no partial segment: its own step and every
+    segment end (segments are cut at restorable steps)."""
+    return [base.step] + [s.last for s in inv.chain(base)]
+
+
+def _base_for(inv: Inventory, gen: int, step: int) -> BaseName | None:
+    """The newest committed base of ``gen`` whose chain reaches ``step`` (the least replay)."""
+    for base in sorted((b for b in inv.bases if b.gen == gen), reverse=True):
+        if RunStore._plan_for(inv, base, step) is not None:
+            return base
+    return None
+
+
+def _targets(inv: Inventory, policy: RetentionPolicy, mtimes: dict[str, float | None],
+             now: float) -> dict[tuple[int, int, int], list[str]]:
+    """``{(gen, step, base step): reasons}`` of every step to keep restorable."""
+    out: dict[tuple[int, int, int], list[str]] = {}
+
+    def keep(gen: int, step: int, reason: str, base: BaseName | None = None) -> None:
+        base = base or _base_for(inv, gen, step)
+        if base is not None:
+            out.setdefault((gen, step, base.step), []).append(reason)
+
+    newest_gen = next((g for g in inv.gens() if any(b.gen == g for b in inv.bases)), None)
+    if newest_gen is None:
+        return out
+    newest = inv.newest_step(newest_gen)
+    assert newest is not None
+    keep(newest_gen, newest, "newest durable step")
+    if policy.keep_newer_than_s is None and policy.keep_last_bases is None and policy.keep_every_n_steps is None:
+        for base in inv.bases:  # keep everything restorable
+            keep(base.gen, _ends(inv, base)[-1], "no keep_* policy: everything is kept", base)
+        return out
+    if policy.keep_last_bases is not None:
+        for base in sorted(inv.bases, key=lambda b: (b.gen, b.step), reverse=True)[:policy.keep_last_bases]:
+            keep(base.gen, _ends(inv, base)[-1], f"within the last {policy.keep_last_bases} bases", base)
+    if policy.keep_every_n_steps is not None:
+        k, claimed = policy.keep_every_n_steps, set()
+        for gen in inv.gens():  # the newest session's history wins where sessions overlap
+            bases = sorted(b for b in inv.bases if b.gen == gen)
+            windows = {s // k for b in bases for s in _ends(inv, b)} - claimed
+            for w in sorted(windows):
+                in_bases = [b for b in bases if w * k <= b.step < (w + 1) * k]
+                if in_bases:
+                    keep(gen, in_bases[0].step, f"one per {k} steps", in_bases[0])
+                else:
+                    first = min(s for b in bases for s in _ends(inv, b) if w * k <= s < (w + 1) * k)
+                    keep(gen, first, f"one per {k} steps")
+            claimed |= windows
+    if policy.keep_newer_than_s is not None:
+        cutoff = now - policy.keep_newer_than_s
+        young = {p for p, t in mtimes.items() if t is None or t >= cutoff}
+        why = f"written in the last {policy.keep_newer_than_s:g} s"
+        for base in inv.bases:
+            if base.commit_path in young or base.state_path in young:
+                keep(base.gen, base.step, why, base)
+        for seg in inv.segments:
+            if seg.path in young:
+                keep(seg.gen, seg.last, why)
+    return out
+
+
+def plan_gc(store: RunStore, policy: RetentionPolicy, now: float | None = None) -> GcPlan:
+    """Decide what to delete under ``policy`` from one listing of the run (deletes nothing)."""
+    now = time.time() if now is None else now
+    details = _details(store)
+    inv = store.inventory({p: size for p, (size, _) in details.items() if not _hidden(p)})
+    mtimes = {p: t for p, (_, t) in details.items()}
+    plan = GcPlan(url=store.storage.url.rstrip("/"), sizes={p: s for p, (s, _) in details.items()})
+    targets = _targets(inv, policy, mtimes, now)
+    needed: set[str] = set()
+    by_key: dict[tuple[int, int], Kept] = {}
+    for (gen, step, base_step), reasons in sorted(targets.items()):
+        base = BaseName(base_step, gen)
+        route = RunStore._plan_for(inv, base, step)
+        assert route is not None
+        needed.add(base.dir)
+        needed.update(s.path for s in route.segments)
+        kept = by_key.setdefault((gen, step), Kept(gen, step, base_step, []))
+        kept.reasons += [r for r in reasons if r not in kept.reasons]
+    plan.kept = sorted(by_key.values(), key=lambda k: (k.gen, k.step))
+
+    reachable = {s.path for b in inv.bases for s in inv.chain(b)}
+    newest_gen = max(inv.gens(), default=0)
+    for seg in inv.segments:
+        if seg.path in needed:
+            continue
+        if seg.path in reachable:
+            plan.segments.append(seg)
+            continue
+        # Beyond a gap in its chain: unrestorable now, but never delete what may be newer than
+        # the session's durable state (a missing segment may yet appear, or be restored).
+        newest = inv.newest_step(seg.gen)
+        if (newest is not None and seg.last <= newest) or (newest is None and seg.gen < newest_gen):
+            plan.segments.append(seg)
+        else:
+            plan.kept_beyond_gaps.append(seg.path)
+    committed = {b.dir for b in inv.bases}
+    for base in inv.bases:
+        if base.dir not in needed:
+            files = [p for p in details if p.startswith(base.dir + "/")]
+            # COMMIT first: the base stops being committed before any of its files go.
+            plan.bases.append(base)
+            plan.base_files[base] = sorted(files, key=lambda p: (p != base.commit_path, p))
+    planned = {p for files in plan.base_files.values() for p in files}
+    plan.leftovers = [x for x in _leftovers(store, details, committed, now - policy.min_age_s)
+                      if x.path not in planned]
+    return plan
+
+
+def _hidden(path: str) -> bool:
+    return path.rsplit("/", 1)[-1].startswith(".")
+
+
+def _details(store: RunStore) -> dict[str, tuple[int, float | None]]:
+    """``{path: (size, mtime)}`` including temporary files where the storage can tell; a
+    storage that cannot gives sizes with unknown times (then nothing counts as old)."""
+    inner = unwrap(store.storage)
+    if hasattr(inner, "details"):
+        return inner.details("", hidden=True)  # type: ignore[no-any-return]
+    return {p: (size, None) for p, size in store.storage.list("").items()}
+
+
+def _leftovers(store: RunStore, details: dict[str, tuple[int, float | None]], committed: set[str],
+               cutoff: float) -> list[Leftover]:
+    out = []
+    for path, (size, mtime) in sorted(details.items()):
+        if mtime is None or mtime >= cutoff:
+            continue
+        name = path.rsplit("/", 1)[-1]
+        if _hidden(path) and name.endswith(".tmp"):
+            out.append(Leftover(path, size, "temporary file of an interrupted write"))
+        elif path.startswith("bases/") and path.count("/") >= 2 and path.rsplit("/", 1)[0] not in committed:
+            out.append(Leftover(path, size, "file of a base that was never committed"))
+        elif path.startswith("_probe/"):
+            out.append(Leftover(path, size, "storage probe of an interrupted tuner"))
+    inner = unwrap(store.storage)
+    if hasattr(inner, "incomplete_uploads"):
+        for key, upload_id, started in inner.incomplete_uploads():
+            if started is not None and started < cutoff:
+                out.append(Leftover(key, 0, "incomplete multipart upload", upload_id))
+    return out
+
+
+# ------------------------------------------------------------------------------ applying
+def collect_garbage(url: str | os.PathLike[str] | Storage, policy: RetentionPolicy | None = None, *,
+                    dry_run: bool = True, storage_options: dict[str, Any] | None = None,
+                    progress: Callable[[int, int, str], None] | None = None) -> GcPlan:
+    """Plan (and unless ``dry_run``, carry out) the deletions ``policy`` allows on a run.
+
+    Safe while training writes to the run: only committed objects no kept step needs, and
+    leftovers older than ``policy.min_age_s``, are deleted; the newest durable step always stays.
+    ``policy`` defaults to the one the run's newest session was started with, if any.
+    """
+    store = RunStore(open_storage(url, **(storage_options or {})))
+    policy = policy or recorded_policy(store)
+    if policy is None:
+        raise UnsupportedConfigurationError(
+            f"no retention policy given and none recorded for {store.storage.url}: say what to keep "
+            "(keep_last_bases, keep_every_n_steps, keep_newer_than_s; CLI: --keep-last-bases N ...)")
+    plan = plan_gc(store, policy)
+    if not dry_run:
+        apply_gc(store, plan, progress)
+        plan.applied = True
+    return plan
+
+
+def recorded_policy(store: RunStore) -> RetentionPolicy | None:
+    """The retention the newest session was configured with (``None`` if none)."""
+    for gen in sorted(store.inventory().sessions, reverse=True):
+        try:
+            recorded = store.session_meta(gen).get("options", {}).get("retention")
+        except (ValueError, DiffCkptError):
+            continue
+        return RetentionPolicy(**recorded) if isinstance(recorded, dict) else None
+    return None
+
+
+def apply_gc(store: RunStore, plan: GcPlan,
+             progress: Callable[[int, int, str], None] | None = None) -> dict[str, int]:
+    """Delete what ``plan`` names, in the crash-safe order; return counts and bytes deleted."""
+    storage, inner = store.storage, unwrap(store.storage)
+    steps: list[tuple[str, Callable[[], None]]] = [(s.path, _deleter(storage, s.path)) for s in plan.segments]
+    for base in plan.bases:
+        steps += [(p, _deleter(storage, p)) for p in plan.base_files[base]]
+    for x in plan.leftovers:
+        if x.upload_id is not None:
+            steps.append((x.path, lambda x=x: inner.abort_upload(x.path, x.upload_id)))
+        else:
+            steps.append((x.path, _deleter(storage, x.path)))
+    for i, (path, step) in enumerate(steps):
+        if progress is not None:
+            progress(i, len(steps), path)
+        step()
+    if progress is not None:
+        progress(len(steps), len(steps), "")
+    return {"objects": len(steps), "bytes": plan.bytes, "segments": len(plan.segments),
+            "bases": len(plan.bases), "leftovers": len(plan.leftovers)}
+
+
+def _deleter(storage: Any, path: str) -> Callable[[], None]:
+    return lambda: storage.delete(path)

@@ -1,0 +1,232 @@
+"""Retention and garbage collection on real runs on disk: chain-aware keeping, leftovers,
+deletion order (an interruption after every single deletion leaves a restorable run), and the
+background retention and compaction of a training process."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from engine_runs import assert_state, base_dir, restore, seg, train
+
+from diffckpt import CheckpointNotFoundError, RetentionPolicy, collect_garbage
+from diffckpt.retention import apply_gc, plan_gc
+from diffckpt.storage import FsspecStorage, open_storage
+from diffckpt.store import RunStore
+
+STEPS = 40  # bases at 0, 10, 20, 30, 40; segments of 2 steps
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> tuple[Path, dict[int, Any]]:
+    root = tmp_path / "run"
+    truth, durable = train(root, steps=STEPS, base_every_n_steps=10, write_batch=2)
+    assert durable == STEPS
+    return root, truth
+
+
+def _restorable(root: Path, truth: dict[int, Any], steps: list[int]) -> None:
+    for step in steps:
+        result, module, optimizers = restore(root, step)
+        assert result.step == step
+        assert_state(truth, result, module, optimizers)
+
+
+def _gone(root: Path, steps: list[int]) -> None:
+    for step in steps:
+        with pytest.raises(CheckpointNotFoundError):
+            restore(root, step)
+
+
+def _inv(root: Path) -> Any:
+    return RunStore(open_storage(root)).inventory()
+
+
+def test_policy_validation() -> None:
+    for bad in ({"keep_last_bases": 0}, {"keep_every_n_steps": -1}, {"keep_last_bases": True},
+                {"keep_newer_than_s": -1.0}, {"min_age_s": "1h"}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            RetentionPolicy(**bad)
+
+
+def test_keep_last_bases_keeps_the_window_and_frees_the_rest(run: tuple[Path, dict[int, Any]]) -> None:
+    root, truth = run
+    before = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+    plan = collect_garbage(root, RetentionPolicy(keep_last_bases=2), dry_run=True)
+    assert not plan.applied and [b.step for b in plan.bases] == [0, 10, 20]
+    assert [(s.after, s.last) for s in plan.segments] == [(a, a + 2) for a in range(0, 30, 2)]
+    assert len(list(root.rglob("*.seg"))) == 20  # a dry run deletes nothing
+    plan = collect_garbage(root, RetentionPolicy(keep_last_bases=2), dry_run=False)
+    assert plan.applied and plan.objects == 15 + 3 * 2
+    after = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+    assert before - after == plan.bytes > 0
+    assert [b.step for b in _inv(root).bases] == [30, 40]
+    _restorable(root, truth, [30, 32, 36, 38, 40])  # every step of the window, bitwise
+    _gone(root, [0, 10, 28])
+    # Nothing more to do: a second collection deletes nothing.
+    assert collect_garbage(root, RetentionPolicy(keep_last_bases=2), dry_run=False).objects == 0
+
+
+def test_keep_every_n_steps_keeps_one_point_per_window(run: tuple[Path, dict[int, Any]]) -> None:
+    root, truth = run
+    plan = collect_garbage(root, RetentionPolicy(keep_every_n_steps=15), dry_run=False)
+    kept = {k.step: k.reasons for k in plan.kept}
+    # [0,15): base 0; [15,30): base 20; [30,45): base 30; plus the newest durable step.
+    assert sorted(kept) == [0, 20, 30, 40]
+    assert [b.step for b in _inv(root).bases] == [0, 20, 30, 40]
+    _restorable(root, truth, [0, 20, 30, 40])
+    _gone(root, [10, 12, 24])
+
+
+def test_keep_every_n_steps_without_a_base_in_the_window_keeps_its_chain(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    truth, _ = train(root, steps=30, base_every_n_steps=None, write_batch=4)  # one base, at 0
+    collect_garbage(root, RetentionPolicy(keep_every_n_steps=10), dry_run=False)
+    # Windows [10,20) and [20,30) have no base: their first segment ends (12, 20) need base 0 and
+    # the diffs up to them; the newest step (30) needs them all.
+    _restorable(root, truth, [0, 12, 20, 30])
+
+
+def test_keep_newer_than_keeps_young_objects_and_what_they_need(run: tuple[Path, dict[int, Any]]) -> None:
+    root, truth = run
+    old = time.time() - 3 * 86400
+    young = {seg(root, 24, 26), seg(root, 26, 28)}
+    for f in root.rglob("*"):
+        if f.is_file() and f not in young and f.parent.name != "sessions":
+            os.utime(f, (old, old))
+    plan = collect_garbage(root, RetentionPolicy(keep_newer_than_s=86400), dry_run=False)
+    assert {k.step for k in plan.kept} == {26, 28, 40}
+    # Steps 26 and 28 need base 20 and the segments from it; the newest step needs base 40.
+    assert [b.step for b in _inv(root).bases] == [20, 40]
+    _restorable(root, truth, [20, 22, 26, 28, 40])
+    _gone(root, [0, 10, 30, 32])
+
+
+def test_no_keep_policy_keeps_every_step_and_removes_only_old_leftovers(run: tuple[Path, dict[int, Any]]) -> None:
+    root, truth = run
+    old = time.time() - 7200
+    stale_tmp = root / "diffs" / ".000000000040-000000000042.g000001.seg.1a2b3c4d.tmp"
+    stale_base = base_dir(root, 42) / "state.safetensors"  # a base write that never committed
+    fresh_tmp = root / "diffs" / ".000000000042-000000000044.g000001.seg.5e6f7a8b.tmp"
+    probe = root / "_probe" / "tune-1" / "obj-0"
+    for f in (stale_tmp, stale_base, fresh_tmp, probe):
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_bytes(b"x" * 100)
+    for f in (stale_tmp, stale_base, probe):
+        os.utime(f, (old, old))
+    plan = collect_garbage(root, RetentionPolicy(), dry_run=False)
+    assert sorted(x.path for x in plan.leftovers) == [
+        "_probe/tune-1/obj-0", "bases/000000000042.g000001/state.safetensors",
+        "diffs/.000000000040-000000000042.g000001.seg.1a2b3c4d.tmp"]
+    assert not plan.segments and not plan.bases
+    assert fresh_tmp.exists() and not stale_tmp.exists() and not stale_base.exists() and not probe.exists()
+    _restorable(root, truth, [0, 2, 17 + 1, 33 + 1, 40])
+
+
+def test_segments_beyond_a_gap_are_kept_not_deleted(run: tuple[Path, dict[int, Any]]) -> None:
+    root, truth = run
+    seg(root, 34, 36).unlink()  # a chain cut: steps after 34 cannot be rebuilt from base 30
+    (base_dir(root, 40) / "COMMIT").unlink()
+    plan = collect_garbage(root, RetentionPolicy(keep_last_bases=1), dry_run=False)
+    assert sorted(plan.kept_beyond_gaps) == [seg(root, 36, 38).relative_to(root).as_posix(),
+                                            seg(root, 38, 40).relative_to(root).as_posix()]
+    assert seg(root, 36, 38).exists() and seg(root, 38, 40).exists()
+    _restorable(root, truth, [30, 34])
+
+
+class _Interrupted(Exception):
+    pass
+
+
+class _StopsAfter:
+    """Storage over the real disk whose ``delete`` fails after ``n`` deletions (what a process
+    killed at that point leaves)."""
+
+    def __init__(self, root: Path, n: int) -> None:
+        self.inner = FsspecStorage(str(root))
+        self.url = self.inner.url
+        self.n = n
+
+    def delete(self, path: str) -> None:
+        if self.n == 0:
+            raise _Interrupted(path)
+        self.n -= 1
+        self.inner.delete(path)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_interrupted_after_every_single_deletion_the_run_stays_restorable(
+        tmp_path: Path, run: tuple[Path, dict[int, Any]]) -> None:
+    import shutil
+
+    root, truth = run
+    # min_age_s=0: the files of a base whose COMMIT went before the interruption are as old as
+    # the base in a real run, but were written a moment ago here.
+    policy = RetentionPolicy(keep_last_bases=2, min_age_s=0)
+    total = plan_gc(RunStore(open_storage(root)), policy).objects
+    for n in range(total):
+        copy = tmp_path / f"trial{n}"
+        shutil.copytree(root, copy)
+        store = RunStore(_StopsAfter(copy, n))  # type: ignore[arg-type]
+        with pytest.raises(_Interrupted):
+            apply_gc(store, plan_gc(store, policy))
+        # Restorable right after the interruption: the newest step and the kept window.
+        _restorable(copy, truth, [40, 30, 35 + 1])
+        newest, module, optimizers = restore(copy)
+        assert newest.step == 40
+        assert_state(truth, newest, module, optimizers)
+        # The next collection finishes the job and ends where an uninterrupted one does.
+        collect_garbage(copy, policy, dry_run=False)
+        assert _files(copy) == _files(_finished(tmp_path, root, policy))
+
+
+def _files(root: Path) -> list[str]:
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+
+
+def _finished(tmp_path: Path, root: Path, policy: RetentionPolicy) -> Path:
+    import shutil
+
+    done = tmp_path / "uninterrupted"
+    if not done.exists():
+        shutil.copytree(root, done)
+        collect_garbage(done, policy, dry_run=False)
+    return done
+
+
+def test_training_with_background_compaction_and_retention(tmp_path: Path) -> None:
+    from engine_runs import OPTIONS, make, snapshot, train_steps
+
+    from diffckpt import CheckpointEngine, CheckpointOptions
+
+    root = tmp_path / "run"
+    module, optimizers = make()
+    options = CheckpointOptions(**{**OPTIONS, "base_every_n_steps": None, "write_batch": 4,
+                                   "compact_every_n_steps": 12,
+                                   "retention": RetentionPolicy(keep_last_bases=2)})
+    engine = CheckpointEngine(root, options)
+    engine.start(module, optimizers, 0)
+    truth = {0: snapshot(module, optimizers, 0)}
+    engine.write_base(0, module.state_dict(), [o.state_dict() for o in optimizers], {"x": 0})
+    # Steps of ~20 ms, so that the background thread keeps up as it would beside real training.
+    train_steps(engine, module, optimizers, 1, 60, truth, before_record=lambda e, s: time.sleep(0.02))
+    assert engine.close() == 60
+    store = RunStore(open_storage(root))
+    inv = store.inventory()
+    compacted = [b for b in inv.bases if store.load_base(b)[0].get("compacted")]
+    assert compacted and all(store.load_base(b)[0]["compacted"]["by"] == "background compaction"
+                             for b in compacted)
+    assert len(inv.bases) <= 3  # the last 2 (and one that landed after the last collection)
+    if len(compacted) >= 2:
+        assert inv.bases[0].step > 0  # the starting base went: compacted ones replaced it
+    # Training itself wrote no base after the starting one.
+    assert all(b in compacted for b in inv.bases if b.step > 0)
+    newest, module, optimizers = restore(root)
+    assert newest.step == 60
+    assert_state(truth, newest, module, optimizers)
+    _restorable(root, truth, [b.step for b in inv.bases])
