@@ -102,10 +102,10 @@ segments
   10..13       g1   3      7.7 KiB  diffs/000000000010-000000000013.g000001.seg
 
 totals
-  on storage  48.6 KiB (49796 B)
+  on storage  48.7 KiB (49877 B)
   bases       13.9 KiB (14272 B)
   diffs       33.6 KiB (34434 B) over 13 steps, 2.6 KiB per step
-  other       1.1 KiB (1090 B)
+  other       1.1 KiB (1171 B)
 
 resume any durable step N with ckpt_path="<TMP>/run/step=N"
 """
