@@ -24,12 +24,23 @@ from typing import Any
 import torch
 
 from . import advice, cli_lifecycle
-from .cli_common import human, open_run, progress, reemit, storage_options, table, when
+from .cli_common import (
+    bar,
+    human,
+    open_run,
+    progress,
+    reemit,
+    storage_options,
+    table,
+    throughput,
+    when,
+)
 from .codecs import codec_from_config
 from .errors import CheckpointNotFoundError, DiffCkptError, UnsupportedConfigurationError
 from .export import FORMATS, export_checkpoint
 from .format import BaseName, SegmentName, decode_commit, decode_segment
 from .loading import load_state, replay_plan
+from .replay import replay_progress
 from .storage import Storage
 from .store import Inventory, RestorePlan, RunStore, session_path
 
@@ -332,7 +343,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             result = load_state(store.storage, step, device=args.device, allow_modules=tuple(args.allow_module))
         for message in reemit(caught):
             bad("replay", message)
-        replay.update(step=result["step"], replayed=result["replayed"])
+        replay.update(step=result["step"], replayed=result["replayed"],
+                      replay_s=round(result["result"].replay_s, 4))
         if result["step"] != plan.target:
             bad("replay", f"reached step {result['step']}, not the durable step {plan.target}")
     except UnsupportedConfigurationError:
@@ -357,6 +369,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     if "step" in replay:
         print(f"replayed step {replay['step']} from base {replay['base_step']} "
               f"({replay['replayed']} steps) with the fingerprints recorded in training checked")
+        print(throughput(replay["replayed"], replay["replay_s"]))
     if deep is not None:
         print(f"deep: replayed {deep['replayed_steps']} steps across {deep['chains']} chains; " + (
             "every base equals the replay of the one before" if len(problems) == found else
@@ -382,6 +395,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         return 0
     print(f"wrote {args.output}: step {done['step']} ({done['format']}, {human(done['bytes'])}, "
           f"{done['bytes']} B; base {done['base_step']} + {done['replayed']} replayed steps)")
+    print(throughput(done["replayed"], done["replay_s"]))
     return 0
 
 
@@ -454,7 +468,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # argparse exits; in-process callers want a return code
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
     try:
-        return int(args.func(args))
+        with replay_progress(lambda done, total: bar(done, total, "replaying", unit="steps")):
+            return int(args.func(args))
     except (CheckpointNotFoundError, UnsupportedConfigurationError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

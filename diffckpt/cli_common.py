@@ -17,7 +17,8 @@ from .errors import CheckpointNotFoundError, UnsupportedConfigurationError
 from .storage import open_storage
 from .store import RUN_FILE, Inventory, RunStore
 
-__all__ = ["bar", "human", "open_run", "progress", "reemit", "split_target", "storage_options", "table", "when"]
+__all__ = ["bar", "human", "open_run", "progress", "reemit", "split_target", "storage_options", "table", "throughput",
+           "when"]
 
 _STEP_RE = re.compile(r"^(.*)/step=(\d+)$")
 _BAR = {"started": 0.0}
@@ -43,6 +44,14 @@ def bar(done: int, total: int, label: str, detail: str = "", unit: str = "") -> 
     elapsed = now - _BAR["started"]
     rate = f" ({done / elapsed:.0f}{' ' + unit if unit else ''}/s)" if elapsed > 0.2 and done else ""
     progress(f"{label} [{'#' * filled}{' ' * (width - filled)}] {done}/{total}{rate} {detail}")
+
+
+def throughput(steps: int, seconds: float) -> str:
+    """``replay: 24 steps in 0.01 s (1700 steps/s)`` for the text output of replaying commands."""
+    if not steps:
+        return "replay: none needed (the step is a base)"
+    rate = f" ({steps / seconds:.0f} steps/s)" if seconds > 0 else ""
+    return f"replay: {steps} steps in {seconds:.2f} s{rate}"
 
 
 def reemit(caught: list[warnings.WarningMessage]) -> list[str]:

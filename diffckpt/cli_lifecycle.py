@@ -11,7 +11,7 @@ import json
 from typing import Any
 
 from . import advice
-from .cli_common import bar, human, open_run, progress, table
+from .cli_common import bar, human, open_run, progress, table, throughput
 from .compaction import compact
 from .retention import GcPlan, RetentionPolicy, apply_gc, plan_gc, recorded_policy
 
@@ -106,9 +106,9 @@ def cmd_compact(args: argparse.Namespace) -> int:
     if not result.written:
         print(f"step {result.step} of g{result.gen} already has a base ({path}); nothing to do")
         return 0
-    rate = f" ({result.replayed / result.replay_s:.0f} steps/s)" if result.replay_s > 0 else ""
     print(f"compacted step {result.step} of g{result.gen} from base {result.from_base}: replayed "
-          f"{result.replayed} steps in {result.replay_s:.2f} s{rate}; wrote {path} ({human(result.bytes)})")
+          f"{result.replayed} steps; wrote {path} ({human(result.bytes)})")
+    print(throughput(result.replayed, result.replay_s))
     if result.verified_at_step:
         print(f"verified: it matches the fingerprint recorded in training at step {result.step}")
     elif result.verified_through is not None:

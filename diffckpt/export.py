@@ -45,7 +45,7 @@ def export_checkpoint(url: str | os.PathLike[str] | Storage, output: str | os.Pa
             ``storage_options`` apply to the run, not to ``output``.
 
     Returns:
-        ``{"step", "format", "bytes", "base_step", "replayed", "path"}``.
+        ``{"step", "format", "bytes", "base_step", "replayed", "replay_s", "path"}``.
 
     Raises:
         CheckpointNotFoundError: ``step`` is not durable (nothing is written).
@@ -60,7 +60,7 @@ def export_checkpoint(url: str | os.PathLike[str] | Storage, output: str | os.Pa
     data = _serialize(result, fmt)
     FsspecStorage(directory).write(name, data)
     return {"step": result["step"], "format": fmt, "bytes": len(data), "base_step": result["base_step"],
-            "replayed": result["replayed"], "path": os.path.join(directory, name) if "://" not in output
+            "replayed": result["replayed"], "replay_s": round(result["result"].replay_s, 4), "path": os.path.join(directory, name) if "://" not in output
             else output}
 
 

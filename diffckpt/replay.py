@@ -9,10 +9,12 @@ way; a mismatch raises instead of returning a wrong state.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import json
 import logging
 import time
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from dataclasses import replace as _replace
 from typing import Any
@@ -30,7 +32,7 @@ from .errors import (
 )
 from .store import ReadStats, RestorePlan, RunStore
 
-__all__ = ["ReplayResult", "ReplayTarget", "load_into", "replay"]
+__all__ = ["ReplayResult", "ReplayTarget", "load_into", "replay", "replay_progress"]
 
 log = logging.getLogger("diffckpt")
 
@@ -221,6 +223,21 @@ def _apply_event(event: dict[str, Any], optimizers: list[torch.optim.Optimizer],
     opt.step()
 
 
+_PROGRESS: contextvars.ContextVar[Callable[[int, int], None] | None] = contextvars.ContextVar(
+    "diffckpt_replay_progress", default=None)
+
+
+@contextlib.contextmanager
+def replay_progress(callback: Callable[[int, int], None]) -> Iterator[None]:
+    """Call ``callback(steps replayed, steps to replay)`` after each step replayed inside the
+    block (progress bars of the CLI; no plumbing through every caller of :func:`replay`)."""
+    token = _PROGRESS.set(callback)
+    try:
+        yield
+    finally:
+        _PROGRESS.reset(token)
+
+
 def replay(store: RunStore, plan: RestorePlan, target: ReplayTarget | torch.nn.Module,
            optimizers: list[torch.optim.Optimizer], verify: bool = True,
            loaded: tuple[dict[str, Any], Any] | None = None) -> ReplayResult:
@@ -256,6 +273,7 @@ def replay(store: RunStore, plan: RestorePlan, target: ReplayTarget | torch.nn.M
                           codec_payloads=dict(base.get("codec_payloads") or {}),
                           verified_through=plan.base.step if verify and info.get("fingerprint") else None)
     decoder = _Decoder({id(p): n for n, p in target.params.items()})
+    report = _PROGRESS.get()
     decoder.last.update(result.codec_payloads)  # a compacted base carries the payloads before it
     last_applied = plan.base.step
     started, read = time.perf_counter(), ReadStats()
@@ -287,6 +305,8 @@ def replay(store: RunStore, plan: RestorePlan, target: ReplayTarget | torch.nn.M
                 result.verified_through = step
             last_applied = step
             result.replayed += 1
+            if report is not None:
+                report(result.replayed, plan.target - plan.base.step)
             if record.get("state") is not None:
                 result.step, result.state = step, record["state"]
                 result.codec_payloads = dict(decoder.last)

@@ -45,6 +45,7 @@ def test_torch_format(run: Run, tmp_path: Path) -> None:
     root, truth = run
     out = tmp_path / "step7.pt"
     done = export_checkpoint(root, out, 7)
+    assert done.pop("replay_s") > 0
     assert done == {"step": 7, "format": "torch", "bytes": out.stat().st_size, "base_step": 5,
                     "replayed": 2, "path": str(out)}
     obj = torch.load(out, weights_only=True)

@@ -1,0 +1,123 @@
+"""Compaction: a base rolled forward from stored diffs equals the trained state at its step, is
+marked and verified, serves restores, and is refused (writing nothing) when it cannot be right."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from engine_runs import assert_state, base_dir, restore, train
+from helpers import assert_bitwise_equal, subprocess_env
+from test_compressed import CODECS, Run
+from test_compressed import make as make_coded
+
+from diffckpt import CheckpointEngine, CheckpointNotFoundError, ReplayMismatchError, compact
+from diffckpt.compression import GradientCompressor
+from diffckpt.storage import open_storage
+from diffckpt.store import RunStore
+
+STEPS = 20  # one base (step 0), segments of 3 steps: ends at 3, 6, ..., 18, 20
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> tuple[Path, dict[int, Any]]:
+    root = tmp_path / "run"
+    truth, durable = train(root, steps=STEPS, base_every_n_steps=None)
+    assert durable == STEPS
+    return root, truth
+
+
+def _base(root: Path, step: int) -> tuple[dict[str, Any], Any]:
+    store = RunStore(open_storage(root))
+    return store.load_base(next(b for b in store.inventory().bases if b.step == step))
+
+
+def test_compacted_base_equals_the_trained_state(run: tuple[Path, dict[int, Any]]) -> None:
+    root, truth = run
+    result = compact(root, 12)
+    assert (result.step, result.from_base, result.replayed, result.written) == (12, 0, 12, True)
+    assert result.verified_at_step  # fingerprint_every_n_steps=2: step 12 has one from training
+    info, tree = _base(root, 12)
+    assert_bitwise_equal(truth[12]["model"], tree["model"])
+    assert_bitwise_equal(truth[12]["optimizers"], tree["optimizers"])
+    assert tree["state"] == {"x": 12}
+    assert info["compacted"]["from_base"] == 0 and info["compacted"]["verified_through"] == 12
+    assert info["compacted"]["device"] == "cpu" and info["compacted"]["by"] == "diffckpt compact"
+    # Restores now start from it: the newest step replays 8 steps instead of 20.
+    newest, module, optimizers = restore(root)
+    assert (newest.step, newest.base_step, newest.replayed) == (20, 12, 8)
+    assert_state(truth, newest, module, optimizers)
+    at, module, optimizers = restore(root, 12)
+    assert at.replayed == 0
+    assert_state(truth, at, module, optimizers)
+    # Compacting again to the same step writes nothing.
+    assert not compact(root, 12).written
+
+
+def test_newest_by_default_and_a_training_engine_resumes_from_it(run: tuple[Path, dict[int, Any]]) -> None:
+    root, truth = run
+    assert compact(root).step == STEPS
+    result, module, optimizers = restore(root)
+    assert (result.step, result.base_step, result.replayed) == (STEPS, STEPS, 0)
+    assert_state(truth, result, module, optimizers)
+
+
+def test_cli_compacts_from_another_process(run: tuple[Path, dict[int, Any]]) -> None:
+    root, truth = run
+    out = subprocess.run([sys.executable, "-m", "diffckpt", "compact", str(root), "--to", "15", "--json"],
+                         capture_output=True, text=True, env=subprocess_env(), timeout=120)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["step"] == 15 and report["replayed"] == 15 and report["written"]
+    assert report["verified_through"] == 14  # step 15 has no fingerprint; 14 was the last checked
+    _, tree = _base(root, 15)
+    assert_bitwise_equal(truth[15]["model"], tree["model"])
+    assert_bitwise_equal(truth[15]["optimizers"], tree["optimizers"])
+    text = subprocess.run([sys.executable, "-m", "diffckpt", "compact", f"{root}/step=18"],
+                          capture_output=True, text=True, env=subprocess_env(), timeout=120)
+    assert text.returncode == 0, text.stderr
+    assert "compacted step 18 of g1 from base 15: replayed 3 steps" in text.stdout
+    assert "matches the fingerprint recorded in training at step 18" in text.stdout
+
+
+@pytest.mark.parametrize("to, message", [(13, "no segment ends there"), (99, "not durable")])
+def test_steps_that_cannot_take_a_base_are_refused(run: tuple[Path, dict[int, Any]], to: int,
+                                                    message: str) -> None:
+    root, _ = run
+    with pytest.raises(CheckpointNotFoundError, match=message):
+        compact(root, to)
+    assert not base_dir(root, to).exists()
+
+
+def test_replay_that_diverges_from_training_writes_nothing(run: tuple[Path, dict[int, Any]]) -> None:
+    root, _ = run
+    commit = base_dir(root, 0) / "COMMIT"
+    info = json.loads(commit.read_text())
+    info["fingerprint"] = "0" * 64  # the base no longer matches what training recorded
+    commit.write_text(json.dumps(info))
+    with pytest.raises(ReplayMismatchError):
+        compact(root, 12)
+    assert not base_dir(root, 12).exists()
+
+
+def test_compressed_run_resumes_its_codec_from_a_compacted_base(tmp_path: Path) -> None:
+    # PowerSGD without error feedback keeps warm-start factors, which the payloads carry: after a
+    # restore at (or replay past) a compacted base, the codec state is exact too.
+    codec = "powersgd-warm"
+    trained = Run(tmp_path, codec, base_every_n_steps=None)
+    trained.train(12)
+    assert compact(tmp_path, 9).written
+    for step in (9, 12):
+        module, optimizers = make_coded()
+        compressor = GradientCompressor(CODECS[codec](), module)
+        result = CheckpointEngine(tmp_path).restore(module, optimizers, step, compressor=compressor)
+        assert result.base_step == 9
+        assert_state(trained.truth, result, module, optimizers)
+        assert_bitwise_equal(compressor.state_dict(), trained.codec_truth[step])
+    payloads = _base(tmp_path, 9)[1]["codec_payloads"]
+    assert payloads and all(torch.is_tensor(t) for p in payloads.values() for t in p.values())
