@@ -190,8 +190,9 @@ def decode_segment(data: bytes, name: str = "segment") -> tuple[dict[str, Any], 
     decompressor = zstandard.ZstdDecompressor() if header["compression"] == "zstd" else None
     records: list[Any] = []
     offset = 12 + hlen
+    view = memoryview(data)  # blobs are views, not copies (see tree._load_tensors)
     for entry in entries:
-        blob = data[offset : offset + entry["length"]]
+        blob = view[offset : offset + entry["length"]]
         offset += entry["length"]
         if len(blob) != entry["length"] or sha256(blob) != entry["sha256"]:
             problem = f"{name}: record for step {entry['step']} fails its checksum"

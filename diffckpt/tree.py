@@ -13,6 +13,7 @@ import base64
 import json
 import math
 import struct
+import sys
 from typing import Any
 
 import numpy as np
@@ -183,27 +184,91 @@ def pack_tree(obj: Any) -> bytes:
     return b"".join(pack_parts(obj))
 
 
-def read_metadata(buf: bytes) -> dict[str, str]:
-    """Return the metadata of a safetensors buffer without touching its tensors."""
+def _read_header(buf: bytes | memoryview) -> tuple[dict[str, Any], int]:
+    """The JSON header of a safetensors buffer, and where its tensor data starts."""
     if len(buf) < 8:
         raise CorruptRecordError("safetensors buffer is truncated (shorter than its header size)")
     (size,) = struct.unpack_from("<Q", buf, 0)
     if size > len(buf) - 8:
         raise CorruptRecordError("safetensors header runs past the end of the buffer (truncated)")
     try:
-        header = json.loads(buf[8 : 8 + size])
+        header = json.loads(bytes(buf[8 : 8 + size]))
     except ValueError as exc:
         raise CorruptRecordError(f"safetensors header is not valid JSON: {exc}") from None
-    return header.get("__metadata__") or {}
+    if not isinstance(header, dict):
+        raise CorruptRecordError("safetensors header is not a JSON object")
+    return header, 8 + size
 
 
-def unpack_tree(buf: bytes) -> Any:
-    """Deserialize a buffer written by :func:`pack_tree`."""
-    meta = read_metadata(buf)
+def read_metadata(buf: bytes | memoryview) -> dict[str, str]:
+    """Return the metadata of a safetensors buffer without touching its tensors."""
+    return _read_header(buf)[0].get("__metadata__") or {}
+
+
+_SAFETENSORS_DTYPES = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
+
+
+def _tensor_spans(header: dict[str, Any], size: int) -> list[tuple[int, int, str, torch.dtype, list[int]]]:
+    """``(begin, end, name, dtype, shape)`` of each tensor, in data order, checked as
+    ``safetensors`` checks them: known dtypes, sizes that match the shapes, and offsets that
+    tile the ``size`` bytes of data exactly (no gap, overlap or trailing bytes)."""
+    spans = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _SAFETENSORS_DTYPES.get(entry.get("dtype"))
+        shape, offsets = entry.get("shape"), entry.get("data_offsets")
+        if dtype is None or not _naturals(shape) or not _naturals(offsets) or len(offsets) != 2:
+            raise CorruptRecordError(f"tensor {name!r} has an invalid dtype, shape or data_offsets")
+        begin, end = offsets
+        if end - begin != math.prod(shape) * dtype.itemsize:
+            raise CorruptRecordError(f"tensor {name!r} spans {end - begin} bytes, not what its "
+                                     f"shape {shape} of {entry['dtype']} needs")
+        spans.append((begin, end, name, dtype, shape))
+    spans.sort(key=lambda span: span[:2])
+    at = 0
+    for begin, end, name, _, _ in spans:
+        if begin != at:
+            raise CorruptRecordError(f"tensor {name!r} starts at byte {begin} of the data, not {at}")
+        at = end
+    if at != size:
+        raise CorruptRecordError(f"the tensors cover {at} bytes of data, but it has {size}")
+    return spans
+
+
+def _naturals(value: Any) -> bool:
+    return isinstance(value, list) and all(type(x) is int and x >= 0 for x in value)
+
+
+def _load_tensors(buf: bytes | memoryview, header: dict[str, Any], start: int) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors buffer, each copied into its own memory.
+
+    The copies are numpy's, which release the GIL, and slices of ``buf`` are views, not copies:
+    decoding segments on a prefetch thread (``store.read_records``) then holds the GIL little,
+    and replay, on the thread that needs it for every optimizer step, is hardly slowed. Slicing
+    ``bytes`` and ``safetensors.torch.load`` copy while holding it.
+    """
+    if sys.byteorder != "little":  # the data are little-endian: let safetensors swap them
+        return safetensors.torch.load(bytes(buf))
+    data = memoryview(buf)[start:]
+    out = {}
+    for begin, end, name, dtype, shape in _tensor_spans(header, len(data)):
+        if begin == end:
+            out[name] = torch.empty(shape, dtype=dtype)
+            continue
+        raw = np.frombuffer(data, dtype=np.uint8, count=end - begin, offset=begin).copy()
+        out[name] = torch.from_numpy(raw).view(dtype).reshape(shape)
+    return out
+
+
+def unpack_tree(buf: bytes | memoryview) -> Any:
+    """Deserialize a buffer written by :func:`pack_tree` (``bytes`` or a view of them)."""
+    header, start = _read_header(buf)
+    meta = header.get("__metadata__") or {}
     if _META_KEY not in meta:
         raise CorruptRecordError("buffer has no diffckpt state tree in its metadata")
     try:
-        tensors = safetensors.torch.load(buf)
+        tensors = _load_tensors(buf, header, start)
         structure = json.loads(meta[_META_KEY])
         return _decode(structure, tensors)
     except CorruptRecordError:
