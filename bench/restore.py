@@ -424,6 +424,8 @@ def main() -> None:
         topk = train(args, workdir, codec=True) if args.codec else None
         if topk is not None:
             print(f"trained {args.steps} TopK steps in {topk.train_s:.1f} s", flush=True)
+        time_diffckpt(args, dense, min(10, args.steps), False, 4)  # warm the process up
+        time_lightning(args, dense, args.steps, False)
         results = measure(args, cases(dense, topk))
         wall = time.perf_counter() - t_start
         load = " / ".join(f"{x:.2f}" for x in os.getloadavg())

@@ -35,9 +35,10 @@ a benchmark (``bench/restore.py``) can compare both through ``CheckpointEngine.r
 PREFETCH_BYTES = 256 * 2**20
 """At most this many encoded bytes are read ahead of the segment being replayed (one segment is
 always read, however large): the window's memory stays bounded whatever the segment size."""
-PREFETCH_WORKERS = 4
-"""Threads that read and decode ahead. Reads wait on storage (an object store's latency) and
-checksums and zstd release the GIL, so a few threads overlap with replay even on two cores."""
+PREFETCH_WORKERS = 2
+"""Threads that read and decode ahead. Reads wait on storage, and checksums, zstd and the copies
+out of the segment release the GIL, so they overlap with replay; more threads than this slowed
+replay on two cores (``bench/restore.py``)."""
 
 
 def session_path(gen: int) -> str:

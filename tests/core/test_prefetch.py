@@ -24,7 +24,9 @@ from engine_runs import FaultyStorage, Truth, assert_state, flip, record_span, r
 
 from diffckpt import CorruptRecordError, StorageError, open_storage
 from diffckpt import store as store_module
+from diffckpt.format import decode_segment
 from diffckpt.store import ReadStats, RunStore
+from diffckpt.tree import pack_tree, unpack_tree
 
 STEPS = 20
 SEGMENTS = [(a, a + 2) for a in range(0, STEPS, 2)]
@@ -160,6 +162,7 @@ def test_nothing_past_the_target_segment_is_read(run: tuple[Path, Truth]) -> Non
 
 def test_the_window_is_bounded_in_bytes(run: tuple[Path, Truth], monkeypatch: pytest.MonkeyPatch) -> None:
     root, truth = run
+    monkeypatch.setattr(store_module, "PREFETCH_WORKERS", 4)
     storage = ReadLog(str(root), latency=0.05)
     restore(storage, STEPS)
     assert storage.most_busy >= 3  # reads overlap: 4 ahead by default, and the one taken
@@ -169,6 +172,21 @@ def test_the_window_is_bounded_in_bytes(run: tuple[Path, Truth], monkeypatch: py
     assert_state(truth, result, m, o)
     assert storage.most_busy <= 2 and len(storage.reads) == len(SEGMENTS)
     assert all(thread.startswith(PREFIX) for _, thread in storage.reads)  # still ahead of replay
+
+
+def test_decoded_tensors_own_their_memory(run: tuple[Path, Truth]) -> None:
+    """Records decode from views of the segment: the tensors are copies of their own, so
+    keeping one (a restored step's state) keeps neither the segment nor the other tensors."""
+    root, _ = run
+    data = (root / _name(0, 2)).read_bytes()
+    _, records, problem = decode_segment(data, "seg")
+    assert problem is None and [r["step"] for r in records] == [1, 2]
+    blob = pack_tree(records[0])
+    viewed, copied = list(_tensors(unpack_tree(memoryview(blob)))), list(_tensors(unpack_tree(blob)))
+    assert len(viewed) == len(copied) > 0 and all(map(torch.equal, viewed, copied))
+    for t in _tensors(records):
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        t.add_(0)  # writable, without a warning about a read-only buffer
 
 
 # ------------------------------------------------------------------------------------ damage

@@ -199,6 +199,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--auto", action="store_true", help='every_n_steps, write_batch, base_every_n_steps="auto"')
     ap.add_argument("--tuning", type=json.loads, help="JSON dict: DiffCheckpoint(tuning=TuningOptions(...))")
     ap.add_argument("--dump-steps", help="save model and optimizer state at every step into this directory")
+    ap.add_argument("--options", type=json.loads, default={},
+                    help='JSON dict of further DiffCheckpoint options; "retention" is a RetentionPolicy dict')
     args = ap.parse_args(argv)
 
     kwargs, steps = CONFIGS[args.config]
@@ -236,6 +238,13 @@ def main(argv: list[str] | None = None) -> None:
             extra["tuning"] = TuningOptions(**args.tuning)
         if args.auto:
             extra["every_n_steps"] = args.write_batch = args.base_every = "auto"
+        extra.update(args.options)
+        if "retention" in extra:
+            from diffckpt import RetentionPolicy
+
+            extra["retention"] = RetentionPolicy(**extra["retention"])
+        if "base_every_n_steps" in extra:
+            args.base_every = extra.pop("base_every_n_steps")
         diff = DiffCheckpoint(args.dirpath, write_batch=args.write_batch, base_every_n_steps=args.base_every,
                               fingerprint_every_n_steps=5, storage_options=args.storage_options,
                               codec=make_codec(args.codec) if args.codec else None, **extra)

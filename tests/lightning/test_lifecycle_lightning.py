@@ -1,0 +1,110 @@
+"""Real Lightning runs whose training process never writes a full base after the first: bases come
+from compaction (in a background thread of the trainer, or from another process while training
+runs), retention keeps storage bounded, and a kill -9 and resume stays bitwise exact."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import assert_bitwise_equal, run_script, subprocess_env
+from test_exactness import SCRIPT
+
+import diffckpt
+from diffckpt.store import RunStore
+
+STEPS = 60
+
+
+@pytest.fixture(scope="module")
+def reference60(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+    """The uninterrupted run without diffckpt, and its state at every step."""
+    work = tmp_path_factory.mktemp("ref60")
+    (work / "steps").mkdir()
+    rc, log = run_script(SCRIPT, ["adamw", str(work / "ref.pt"), "--no-lib", "--steps", str(STEPS),
+                                  "--dump-steps", str(work / "steps")])
+    assert rc == 0, log[-3000:]
+    return torch.load(work / "ref.pt", weights_only=False), work / "steps"
+
+
+def _bases(run: str) -> list[tuple[int, int, dict[str, Any], Any]]:
+    store = RunStore(diffckpt.open_storage(run))
+    return [(b.gen, b.step, *store.load_base(b)) for b in store.inventory().bases]
+
+
+def _assert_equals_trained(tree: Any, steps: Path, step: int) -> None:
+    trained = torch.load(steps / f"step{step}.pt", weights_only=False)
+    assert_bitwise_equal(trained["model"], tree["model"])
+    assert_bitwise_equal(trained["optimizers"], tree["optimizers"])
+
+
+def test_background_compaction_and_retention_kill9_resume(tmp_path: Path, reference60) -> None:
+    reference, steps = reference60
+    run = str(tmp_path / "run")
+    options = json.dumps({"base_every_n_steps": None, "compact_every_n_steps": 10,
+                          "retention": {"keep_last_bases": 2}})
+    common = ["--dirpath", run, "--steps", str(STEPS), "--options", options]
+    rc, log = run_script(SCRIPT, ["adamw", str(tmp_path / "killed.pt"), *common, "--step-sleep", "0.03"],
+                         kill_at_step=45)
+    assert rc == -9, log[-3000:]
+    bases = _bases(run)
+    compacted = [(gen, step, tree) for gen, step, info, tree in bases if info.get("compacted")]
+    assert compacted, log[-3000:]
+    assert len(bases) <= 3, [(g, s) for g, s, _, _ in bases]  # retention: the last 2 (+1 in flight)
+    # The training process wrote only the starting base; every other base is compacted and holds
+    # exactly the state training had at its step.
+    assert all(info.get("compacted") for _, step, info, _ in bases if step > 0)
+    for _, step, tree in compacted:
+        _assert_equals_trained(tree, steps, step)
+    rc, log = run_script(SCRIPT, ["adamw", str(tmp_path / "resumed.pt"), *common, "--resume"])
+    assert rc == 0, log[-3000:]
+    assert_bitwise_equal(reference, torch.load(tmp_path / "resumed.pt", weights_only=False))
+
+
+def test_compaction_from_another_process_while_training(tmp_path: Path, reference60) -> None:
+    reference, steps = reference60
+    run = str(tmp_path / "run")
+    result: dict[str, Any] = {}
+
+    def train() -> None:
+        result["rc"], result["log"] = run_script(SCRIPT, [
+            "adamw", str(tmp_path / "final.pt"), "--dirpath", run, "--steps", str(STEPS),
+            "--options", json.dumps({"base_every_n_steps": None}), "--step-sleep", "0.05"])
+
+    trainer = threading.Thread(target=train)
+    trainer.start()
+    reports = []
+    deadline = time.monotonic() + 240
+    while trainer.is_alive() and len(reports) < 2 and time.monotonic() < deadline:
+        time.sleep(1.0)
+        try:
+            store = RunStore(diffckpt.open_storage(run))
+            newest = store.plan(None).target
+        except (diffckpt.CheckpointNotFoundError, FileNotFoundError):
+            continue
+        if newest < 8 or any(r["step"] == newest for r in reports):
+            continue
+        out = subprocess.run([sys.executable, "-m", "diffckpt", "compact", run, "--json"], capture_output=True,
+                             text=True, env=subprocess_env(), timeout=120)
+        assert out.returncode == 0, out.stderr
+        reports.append(json.loads(out.stdout))
+    trainer.join(300)
+    assert result["rc"] == 0, result["log"][-3000:]
+    assert len(reports) == 2 and all(r["written"] for r in reports), reports
+    # The run the training process finished is the uninterrupted one: compaction beside it
+    # changed nothing it did.
+    assert_bitwise_equal(reference, torch.load(tmp_path / "final.pt", weights_only=False))
+    for _, step, info, tree in _bases(run):
+        if info.get("compacted"):
+            assert info["compacted"]["by"] == "diffckpt compact"
+            _assert_equals_trained(tree, steps, step)
+    state = diffckpt.load_state(run)
+    assert state["step"] == STEPS
+    assert state["base_step"] == max(r["step"] for r in reports)  # restores start from the compacted base
