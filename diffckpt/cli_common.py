@@ -51,7 +51,7 @@ def throughput(steps: int, seconds: float) -> str:
     if not steps:
         return "replay: none needed (the step is a base)"
     rate = f" ({steps / seconds:.0f} steps/s)" if seconds > 0 else ""
-    return f"replay: {steps} steps in {seconds:.2f} s{rate}"
+    return f"replay: {steps} step{'s' * (steps != 1)} in {seconds:.2f} s{rate}"
 
 
 def reemit(caught: list[warnings.WarningMessage]) -> list[str]:

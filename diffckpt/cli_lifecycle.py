@@ -52,8 +52,8 @@ def _describe_policy(policy: RetentionPolicy) -> str:
 def _render_gc(plan: GcPlan, policy: RetentionPolicy, source: str, applied: bool) -> str:
     head = "" if applied else " (dry run: nothing deleted; pass --apply to delete)"
     lines = [f"gc {plan.url}{head}", f"policy: {_describe_policy(policy)} ({source})", "", "kept restorable steps"]
-    lines += table(["step", "gen", "from base", "why"],
-                   [[str(k.step), f"g{k.gen}", str(k.base), "; ".join(k.reasons)] for k in plan.kept])
+    lines += table(["steps", "gen", "why"], [[f"{k.base}..{k.step}" if k.base < k.step else str(k.step),
+                                              f"g{k.gen}", "; ".join(k.reasons)] for k in plan.kept])
     verb = "deleted" if applied else "would delete"
     lines += ["", f"{verb} {plan.objects} objects, {human(plan.bytes)} ({plan.bytes} B)"]
     rows = [[f"base {b.step} (g{b.gen})", human(sum(plan.sizes.get(p, 0) for p in plan.base_files[b])), b.dir]

@@ -165,7 +165,9 @@ def _targets(inv: Inventory, policy: RetentionPolicy, mtimes: dict[str, float | 
         return out
     if policy.keep_last_bases is not None:
         for base in sorted(inv.bases, key=lambda b: (b.gen, b.step), reverse=True)[:policy.keep_last_bases]:
-            keep(base.gen, _ends(inv, base)[-1], f"within the last {policy.keep_last_bases} bases", base)
+            n = policy.keep_last_bases
+            keep(base.gen, _ends(inv, base)[-1], "within the newest base" if n == 1 else
+                 f"within the last {n} bases", base)
     if policy.keep_every_n_steps is not None:
         k, claimed = policy.keep_every_n_steps, set()
         for gen in inv.gens():  # the newest session's history wins where sessions overlap

@@ -111,10 +111,10 @@ resume any durable step N with ckpt_path="<TMP>/run/step=N"
 """
 
 
-def test_ls_golden(tmp_path: Path, capsys: Cap) -> None:
-    root = tmp_path / "run"
+def fixed_run(root: Path) -> dict[int, dict[str, Any]]:
+    """:func:`build_run` with output that is the same on every machine and every day."""
     # Uncompressed, so sizes depend on tensor shapes only, not on the float bits a CPU produces.
-    build_run(root, compression="none")
+    states = build_run(root, compression="none")
     # Fixed timestamps, host and pid: the listing shows times, and their digits change the JSON sizes.
     for name, key in (("sessions/g000001.json", "started"), ("run.json", "updated")):
         body = json.loads((root / name).read_text())
@@ -122,6 +122,12 @@ def test_ls_golden(tmp_path: Path, capsys: Cap) -> None:
         body.update({"host": "host", "pid": 1} if "host" in body else {})
         indent = 1 if name.startswith("sessions") else None
         (root / name).write_text(json.dumps(body, indent=indent, sort_keys=True))
+    return states
+
+
+def test_ls_golden(tmp_path: Path, capsys: Cap) -> None:
+    root = tmp_path / "run"
+    fixed_run(root)
     rc, out, err = cli(capsys, "ls", root)
     assert (rc, err) == (0, "")
     assert out.replace(str(tmp_path), "<TMP>") == GOLDEN_LS
