@@ -56,6 +56,8 @@ def main() -> None:
     p.add_argument("--width", type=int, default=32)
     p.add_argument("--auto", action="store_true", help='every_n_steps, write_batch, base_every_n_steps="auto"')
     p.add_argument("--stateful", action="store_true", help="use_stateful_dataloader=True")
+    p.add_argument("--compact", action="store_true",
+                   help="no bases from training: background compaction every 4 steps, keep the last 2 bases")
     p.add_argument("--scaler", action="store_true",
                    help="fp16 loss scaling on CPU (Accelerate gives CPU no GradScaler): a real GradScaler "
                         "whose large initial scale makes the first steps find infs and skip")
@@ -90,6 +92,10 @@ def main() -> None:
             from diffckpt import TuningOptions
             knobs = dict.fromkeys(knobs, "auto")
             knobs["tuning"] = TuningOptions(mtbf_s=30, max_overhead=0.5, retune_every_n_steps=5)
+        if args.compact:
+            from diffckpt import RetentionPolicy
+            knobs.update(base_every_n_steps=None, compact_every_n_steps=4,
+                         retention=RetentionPolicy(keep_last_bases=2))
         ckpt = DiffCheckpointer(accelerator, args.dirpath, model=model,
                                 codec=make_codec(args.codec) if args.codec else None, **knobs)
         if not args.no_track:

@@ -55,6 +55,9 @@ CONFIGS = {
     # every_n_steps, write_batch and base_every_n_steps on "auto" (ignored by the reference run)
     "auto": (["--accum", "2", "--clip", "1.0", "--epochs", "6", "--auto"], 1, 36),
     "ddp_auto": (["--accum", "2", "--clip", "1.0", "--epochs", "8", "--auto"], 2, 24),
+    # no bases from training: background compaction and retention (ignored by the reference run)
+    "compacted": (["--accum", "2", "--clip", "1.0", "--epochs", "6", "--compact"], 1, 36),
+    "ddp_compacted": (["--accum", "2", "--clip", "1.0", "--epochs", "8", "--compact"], 2, 24),
 }
 
 
@@ -123,6 +126,19 @@ def test_auto_tuned_settings_kill9_then_restore_last_is_bitwise_identical(config
     first = store.tuning_log(1)
     assert first and first[0]["step"] % 5 == 0, first
     assert first[0]["settings"]["every_n_steps"] >= 1 and first[0]["measurements"]["step_s"] > 0
+
+
+@pytest.mark.parametrize("config", ["compacted", "ddp_compacted"])
+def test_background_compaction_kill9_then_restore_last_is_bitwise_identical(config, reference, tmp_path):
+    """base_every_n_steps=None: after the starting base, every base is compacted in a background
+    thread of process 0, retention keeps the last two, and the resume is exact on every rank."""
+    _kill_and_resume(config, tmp_path, reference, kill_at=CONFIGS[config][2] - 4)
+    store = RunStore(open_storage(str(tmp_path / "run")))
+    bases = store.inventory().bases
+    assert bases and len(bases) <= 3  # the last 2 (and one that landed after the last collection)
+    # A session writes only its starting base; the resumed one's starting base is newest here.
+    started = {b.gen: store.session_meta(b.gen)["resumed_from"] for b in bases}
+    assert all(store.load_base(b)[0].get("compacted") for b in bases if b.step != started[b.gen])
 
 
 def test_fp16_loss_scaling_with_skipped_steps(reference, tmp_path):
