@@ -108,3 +108,11 @@ def test_compaction_from_another_process_while_training(tmp_path: Path, referenc
     state = diffckpt.load_state(run)
     assert state["step"] == STEPS
     assert state["base_step"] == max(r["step"] for r in reports)  # restores start from the compacted base
+
+
+def test_lifecycle_example_exports_the_trained_model() -> None:
+    """examples/lifecycle.py: compaction-only bases, ls/gc/compact, exports equal to the model."""
+    rc, log = run_script("examples/lifecycle.py", ["--steps", "48", "--compact-every", "16"])
+    assert rc == 0, log[-3000:]
+    assert "compacted step 48 of g1" in log or "already has a base" in log, log[-3000:]
+    assert "equal the trained model (53 tensors, torch.equal): yes" in log, log[-3000:]
