@@ -26,9 +26,14 @@ def add_gc_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep one restorable step per K steps (a base in the window if any)")
     p.add_argument("--keep-newer-than", type=advice.parse_duration, metavar="AGE",
                    help="keep everything written within AGE (e.g. 12h, 7d)")
-    p.add_argument("--min-age", type=advice.parse_duration, default=3600.0, metavar="AGE",
+    p.add_argument("--min-age", type=_age, default=3600.0, metavar="AGE",
                    help="remove leftovers of interrupted writes once this old (default 1h)")
     p.add_argument("--apply", action="store_true", help="delete (default: dry run, only show what would go)")
+
+
+def _age(text: str) -> float:
+    """A duration that may be zero (remove every leftover now, when no writer is at work)."""
+    return 0.0 if text.strip().rstrip("smhd") in ("0", "0.0") else advice.parse_duration(text)
 
 
 def _policy(args: argparse.Namespace, store: Any) -> tuple[RetentionPolicy, str]:

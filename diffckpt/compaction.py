@@ -116,6 +116,10 @@ def compact(url: str | os.PathLike[str] | Storage, to: int | None = None, *, dev
     name = BaseName(step, gen)
     compacted = {"from_base": state["base_step"], "replayed": state["replayed"], "device": device,
                  "verified_through": result.verified_through, "by": by, "time": time.time()}
+    if store.storage.exists(name.commit_path) or store.storage.exists(name.state_path):
+        # Another compaction, or training's own base, is writing this step right now: keep theirs.
+        return CompactionResult(step, gen, state["base_step"], state["replayed"], False, result.verified_through,
+                                seconds=time.perf_counter() - start, replay_s=result.replay_s)
     store.storage.write(name.state_path, parts)
     store.storage.write(name.commit_path, base_commit(step, gen, fingerprint(params), parts, compacted=compacted))
     out = CompactionResult(step, gen, state["base_step"], state["replayed"], True, result.verified_through,

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import DiffCkptError, UnsupportedConfigurationError
+from .errors import DiffCkptError
 from .format import BaseName, SegmentName
 from .retry import unwrap
 from .storage import Storage, open_storage
@@ -284,14 +284,11 @@ def collect_garbage(url: str | os.PathLike[str] | Storage, policy: RetentionPoli
 
     Safe while training writes to the run: only committed objects no kept step needs, and
     leftovers older than ``policy.min_age_s``, are deleted; the newest durable step always stays.
-    ``policy`` defaults to the one the run's newest session was started with, if any.
+    ``policy`` defaults to the one the run's newest session was started with, and without one
+    to :class:`RetentionPolicy` ``()``: every step is kept, only leftovers go.
     """
     store = RunStore(open_storage(url, **(storage_options or {})))
-    policy = policy or recorded_policy(store)
-    if policy is None:
-        raise UnsupportedConfigurationError(
-            f"no retention policy given and none recorded for {store.storage.url}: say what to keep "
-            "(keep_last_bases, keep_every_n_steps, keep_newer_than_s; CLI: --keep-last-bases N ...)")
+    policy = policy or recorded_policy(store) or RetentionPolicy()
     plan = plan_gc(store, policy)
     if not dry_run:
         apply_gc(store, plan, progress)

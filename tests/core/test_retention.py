@@ -230,3 +230,19 @@ def test_training_with_background_compaction_and_retention(tmp_path: Path) -> No
     assert newest.step == 60
     assert_state(truth, newest, module, optimizers)
     _restorable(root, truth, [b.step for b in inv.bases])
+
+
+def test_cli_gc_without_policy_keeps_every_step_and_min_age_zero_removes_fresh_leftovers(
+        run: tuple[Path, dict[int, Any]], capsys: pytest.CaptureFixture[str]) -> None:
+    from diffckpt.cli import main
+
+    root, truth = run
+    tmp = root / "diffs" / ".000000000040-000000000042.g000001.seg.0a1b2c3d.tmp"
+    tmp.write_bytes(b"partial")
+    assert main(["gc", str(root), "--apply"]) == 0
+    assert tmp.exists()  # younger than the default min age of 1 hour: a writer may be at it
+    assert "none given or recorded: every step is kept" in capsys.readouterr().out
+    assert main(["gc", str(root), "--apply", "--min-age", "0"]) == 0
+    out = capsys.readouterr().out
+    assert not tmp.exists() and "deleted 1 objects" in out and "temporary file of an interrupted write" in out
+    _restorable(root, truth, [0, 1, 13 + 1, 40])
