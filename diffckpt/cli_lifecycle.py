@@ -60,7 +60,7 @@ def _render_gc(plan: GcPlan, policy: RetentionPolicy, source: str, applied: bool
     lines += table(["steps", "gen", "why"], [[f"{k.base}..{k.step}" if k.base < k.step else str(k.step),
                                               f"g{k.gen}", "; ".join(k.reasons)] for k in plan.kept])
     verb = "deleted" if applied else "would delete"
-    lines += ["", f"{verb} {plan.objects} objects, {human(plan.bytes)} ({plan.bytes} B)"]
+    lines += ["", f"{verb} {plan.objects} object{'s' * (plan.objects != 1)}, {human(plan.bytes)} ({plan.bytes} B)"]
     rows = [[f"base {b.step} (g{b.gen})", human(sum(plan.sizes.get(p, 0) for p in plan.base_files[b])), b.dir]
             for b in plan.bases]
     rows += [["segment", human(plan.sizes.get(s.path, 0)), s.path] for s in plan.segments]

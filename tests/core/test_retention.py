@@ -244,5 +244,5 @@ def test_cli_gc_without_policy_keeps_every_step_and_min_age_zero_removes_fresh_l
     assert "none given or recorded: every step is kept" in capsys.readouterr().out
     assert main(["gc", str(root), "--apply", "--min-age", "0"]) == 0
     out = capsys.readouterr().out
-    assert not tmp.exists() and "deleted 1 objects" in out and "temporary file of an interrupted write" in out
+    assert not tmp.exists() and "deleted 1 object," in out and "temporary file of an interrupted write" in out
     _restorable(root, truth, [0, 1, 13 + 1, 40])
