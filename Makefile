@@ -35,6 +35,8 @@ bench: $(VENV)/.installed-bench
 	$(BIN)/python bench/accelerate_loop.py --threads 1
 	$(BIN)/python bench/autotune.py --threads 1
 	$(BIN)/python bench/autotune.py --threads 1 --backend slow --latency 0.05
+	$(BIN)/python bench/restore.py --threads 1  # restore time versus chain length, prefetch on/off
+	$(BIN)/python bench/lifecycle.py --threads 1  # retention and background compaction vs training bases
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -8,7 +8,7 @@ optimizer step ``record_step`` (with the small state when ``wants_state``) and `
 when ``wants_base``; ``close()`` at the end. Every step is restorable, ``write_batch`` 8.
 Configurations, each from the same seed and data:
 
-1. ``none``: the same loop without an engine, the baseline;
+1. ``no checkpointing``: the same loop without an engine, the baseline;
 2. ``training bases``: ``base_every_n_steps=--every`` (the training thread copies a full base);
 3. ``compacted bases``: ``base_every_n_steps=None, compact_every_n_steps=--every`` (after the
    starting base, bases come from the background thread replaying stored diffs);
@@ -26,7 +26,7 @@ the restore of the newest step (``CheckpointEngine(root).restore`` into a fresh 
 optimizer, median of 3, steps replayed, checked bit-exact against the trained model).
 
 ``--rounds`` rounds, the order reversed every other round; step times are pooled over the
-rounds, and overhead is the pooled mean step time / the baseline's - 1. Storage, bases and
+rounds, and ``vs baseline`` is the pooled mean step time / the baseline's. Storage, bases and
 restore come from the last round (compaction targets depend on thread timing; all runs are
 listed under the table).
 
@@ -117,7 +117,8 @@ def state_of(step: int, sched: Any) -> dict[str, Any]:
     return {"step": step, "scheduler": sched.state_dict(), "rng": torch.get_rng_state()}
 
 
-def checkpointed_step(engine: CheckpointEngine, step: int, model: GPT, opt: Any, sched: Any) -> None:
+def checkpointed_step(engine: CheckpointEngine, step: int, model: GPT, opt: Any,
+                      sched: Any) -> None:
     """What an adapter does after ``optimizer.step()``: record the step, and queue a base when
     the engine wants one (the full copy that training-written bases cost)."""
     if engine.review_due(step):
@@ -143,18 +144,19 @@ def run_once(config: Config, args: argparse.Namespace) -> dict[str, Any]:
             engine.start(model, [opt], 0)
             writer, maintenance = engine.writer, engine.maintenance  # readable after close()
             engine.write_base(0, model.state_dict(), [opt.state_dict()], state_of(0, sched))
-        times = []
+        times, cpu = [], 0.0
         for step in range(1, args.steps + 1):
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.thread_time()
             plain_step(model, opt, sched, next(data))
             if engine is not None:
                 checkpointed_step(engine, step, model, opt, sched)
             if step > args.warmup:
                 times.append(time.perf_counter() - start)
+                cpu += time.thread_time() - cpu_start
         start = time.perf_counter()
         if engine is not None:
             engine.close()
-        out: dict[str, Any] = {"times": times, "close_s": time.perf_counter() - start}
+        out: dict[str, Any] = {"times": times, "cpu_s": cpu, "close_s": time.perf_counter() - start}
         if engine is None or writer is None:
             return out
         compactions = maintenance.compactions if maintenance else []
@@ -230,22 +232,27 @@ def step_stats(times: list[float]) -> dict[str, float]:
     def pct(q: float) -> float:
         return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
 
-    return {"mean": statistics.fmean(ordered), "p50": pct(0.5), "p99": pct(0.99), "max": ordered[-1]}
+    return {"mean": statistics.fmean(ordered), "p50": pct(0.5), "p99": pct(0.99),
+            "max": ordered[-1]}
 
 
 def render(cfgs: list[Config], results: dict[str, list[dict[str, Any]]]) -> list[str]:
     """The Markdown table: one row per configuration."""
     base = step_stats([t for r in results[cfgs[0].name] for t in r["times"]])["mean"]
-    lines = ["| configuration | mean step ms | vs baseline | p50 ms | p99 ms | max ms | close s "
+    cpu_base = _cpu_per_step(results[cfgs[0].name])
+    lines = ["| configuration | mean step ms | vs baseline | training-thread CPU ms | vs baseline "
+             "| p50 ms | p99 ms | max ms | close s "
              "| bytes on storage | files | vs no retention | bases by training / compaction "
              "(on storage at the end) | compaction s (background) | restore newest s | replayed "
              "(from base) | bit-exact |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|"]
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|"]
     for c in cfgs:
         runs = results[c.name]
         s = step_stats([t for r in runs for t in r["times"]])
         last = runs[-1]
-        cells = [c.name, f"{1e3 * s['mean']:.1f}", f"{s['mean'] / base:.3f}x", f"{1e3 * s['p50']:.1f}",
+        cpu = _cpu_per_step(runs)
+        cells = [c.name, f"{1e3 * s['mean']:.1f}", f"{s['mean'] / base:.3f}x", f"{1e3 * cpu:.1f}",
+                 f"{cpu / cpu_base:.3f}x", f"{1e3 * s['p50']:.1f}",
                  f"{1e3 * s['p99']:.1f}", f"{1e3 * s['max']:.1f}", f"{last['close_s']:.2f}"]
         if c.options is None:
             cells += ["-"] * 8
@@ -264,6 +271,12 @@ def render(cfgs: list[Config], results: dict[str, list[dict[str, Any]]]) -> list
     return lines
 
 
+def _cpu_per_step(runs: list[dict[str, Any]]) -> float:
+    """Training-thread CPU seconds per timed step, pooled over runs: unlike wall time, it leaves
+    out time the thread waited for a core or the GIL (other processes, the writer, compaction)."""
+    return sum(r["cpu_s"] for r in runs) / sum(len(r["times"]) for r in runs)
+
+
 def all_runs(cfgs: list[Config], results: dict[str, list[dict[str, Any]]]) -> list[str]:
     """One line per configuration listing every run: mean step ms, and for checkpointed runs
     the storage and bases, which may differ by round (compaction targets follow thread timing)."""
@@ -271,9 +284,11 @@ def all_runs(cfgs: list[Config], results: dict[str, list[dict[str, Any]]]) -> li
     for c in cfgs:
         parts = []
         for r in results[c.name]:
-            text = f"{1e3 * statistics.fmean(r['times']):.1f} ms"
+            text = (f"{1e3 * statistics.fmean(r['times']):.1f} ms "
+                    f"({1e3 * r['cpu_s'] / len(r['times']):.1f} ms CPU)")
             if c.options is not None:
-                text += (f" / {r['bytes'] / 1e6:.1f} MB / bases {r['by_training']}+{r['by_compaction']}"
+                text += (f" / {r['bytes'] / 1e6:.1f} MB"
+                         f" / bases {r['by_training']}+{r['by_compaction']}"
                          f" / {r['deleted']} objects deleted")
                 if r["errors"]:
                     text += f" / maintenance errors: {r['errors']}"
@@ -283,16 +298,19 @@ def all_runs(cfgs: list[Config], results: dict[str, list[dict[str, Any]]]) -> li
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--every", type=int, default=50, help="base_every_n_steps / compact_every_n_steps")
+    ap.add_argument("--every", type=int, default=50,
+                    help="base_every_n_steps / compact_every_n_steps")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps at the start of every run")
     ap.add_argument("--size", default="demo", choices=sorted(SIZES))
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     ap.add_argument("--tmp", help="parent of the temp run dirs (default: the system temp dir)")
     ap.add_argument("--out", help="Markdown report path")
-    ap.add_argument("--quick", action="store_true", help="smoke run: tiny model, 60 steps, bases every 20")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: tiny model, 60 steps, bases every 20")
     args = ap.parse_args()
     if args.quick:
         args.size, args.steps, args.every, args.rounds = "tiny", 60, 20, 1
@@ -306,10 +324,11 @@ def main() -> None:
     cfg = SIZES[args.size]
     info = [
         *header("core engine, plain PyTorch loop"),
-        f"- model: GPT '{args.size}', {n_params / 1e6:.2f}M parameters (fp32), batch {cfg.batch_size} "
-        f"x {cfg.ctx} tokens, AdamW + OneCycleLR, gradient clipping",
-        f"- {args.steps} optimizer steps per run, first {args.warmup} untimed; every step restorable, "
-        f"write_batch {WRITE_BATCH}; {args.rounds} round(s), order reversed every other round; "
+        f"- model: GPT '{args.size}', {n_params / 1e6:.2f}M parameters (fp32), "
+        f"batch {cfg.batch_size} x {cfg.ctx} tokens, AdamW + OneCycleLR, gradient clipping",
+        f"- {args.steps} optimizer steps per run, first {args.warmup} untimed; "
+        f"every step restorable, write_batch {WRITE_BATCH}; {args.rounds} round(s), order "
+        "reversed every other round; "
         "storage: local disk (a temp dir per run)",
     ]
     t_start = time.perf_counter()
@@ -320,30 +339,36 @@ def main() -> None:
             r = run_once(c, args)
             results[c.name].append(r)
             extra = "" if c.options is None else (
-                f", {r['bytes'] / 1e6:.1f} MB, bases {r['by_training']}+{r['by_compaction']}, restore "
-                f"{r['restore_s']:.3f} s ({r['replayed']} replayed, exact {r['exact']})")
-            print(f"round {rnd + 1}/{args.rounds} {c.name:48s} mean {1e3 * statistics.fmean(r['times']):6.1f} "
-                  f"ms, max {1e3 * max(r['times']):6.1f} ms{extra}", flush=True)
+                f", {r['bytes'] / 1e6:.1f} MB, bases {r['by_training']}+{r['by_compaction']}, "
+                f"restore {r['restore_s']:.3f} s ({r['replayed']} replayed, exact {r['exact']})")
+            mean = 1e3 * statistics.fmean(r["times"])
+            print(f"round {rnd + 1}/{args.rounds} {c.name:48s} mean {mean:6.1f} ms, "
+                  f"max {1e3 * max(r['times']):6.1f} ms{extra}", flush=True)
     table = render(cfgs, results)
     load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
-    info.append(f"- whole benchmark {time.perf_counter() - t_start:.0f} s; load average after it {load}")
+    info.append(f"- whole benchmark {time.perf_counter() - t_start:.0f} s; "
+                f"load average after it {load}")
     notes = [
         "",
         "Step times are wall seconds of each timed step (batch, forward, backward, optimizer, "
         "engine calls), pooled over the rounds; `vs baseline`: mean / the mean without "
-        "checkpointing. `close s`: `engine.close()` (the final flush, then the maintenance "
+        "checkpointing. `training-thread CPU ms`: `time.thread_time()` of the training thread "
+        "per timed step, pooled; the gap to wall time is time it waited for a core or for the "
+        "GIL (other processes, the writer thread, the maintenance thread). `close s`: "
+        "`engine.close()` (the final flush, then the maintenance "
         "thread finishes the job under way and runs a last retention pass). Bytes and files: "
         "everything under the run root after `close()`. Bases: written during the run by the "
         "training thread (the starting base at step 0 included) / by background compaction; in "
         "parentheses those still on storage, told apart by the `compacted` key of their "
         "`COMMIT` markers. `vs no retention`: bytes / the same configuration's without retention. "
         "`compaction s`: seconds the background thread spent compacting (replay + base write), "
-        "on the same two cores as training. `restore newest s`: `CheckpointEngine(root).restore"
+        "on the same cores as training. `restore newest s`: `CheckpointEngine(root).restore"
         f"(model, [optimizer])` of the newest step into a fresh model, median of {RESTORES}; "
         "`bit-exact`: the restored model and AdamW state equal the trained ones (`torch.equal`). "
         "Storage, bases and restore are from the last round.",
         "",
-        "All runs (mean step / bytes on storage / bases by training+compaction / objects deleted "
+        "All runs (mean step (training-thread CPU) / bytes on storage / bases by "
+        "training+compaction / objects deleted "
         "by retention), in round order:",
         "",
         *all_runs(cfgs, results),

@@ -11,6 +11,7 @@ never stops training, and nothing it leaves half done affects a restore.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +24,7 @@ from .store import RunStore
 __all__ = ["Maintenance"]
 
 log = logging.getLogger("diffckpt")
+NICE = 10  # the maintenance thread's nice value, relative to the default 0 of training
 
 
 class Maintenance:
@@ -70,6 +72,7 @@ class Maintenance:
                         "finish on its own (an unfinished one leaves nothing a restore would use)", timeout)
 
     def _run(self) -> None:
+        _lower_priority()
         while True:
             self._wake.wait()
             self._wake.clear()
@@ -103,3 +106,12 @@ class Maintenance:
                 self.collections.append(done)
                 log.info("diffckpt: retention removed %d objects (%.1f MiB) of %s", done["objects"],
                          done["bytes"] / 2**20, self.store.storage.url)
+
+
+def _lower_priority() -> None:
+    """Run this thread at a lower CPU priority (Linux: threads have their own nice value), so that
+    on a machine with few cores the training thread gets the CPU first when both want it."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+    except (AttributeError, OSError):  # not Linux, or not allowed: run at normal priority
+        pass

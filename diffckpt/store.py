@@ -429,6 +429,7 @@ class _Prefetcher:
         self.depth = max(0, depth) if len(segments) > 1 else 0
         self.next = 0  # index of the next segment to submit (or, without threads, to read)
         self.pending: deque[tuple[int, Future[_Fetched]]] = deque()  # (bytes, read) in order
+        self.taking: Future[_Fetched] | None = None  # the read the caller waits for
         self.pool: ThreadPoolExecutor | None = None
 
     def take(self) -> _Fetched:
@@ -437,9 +438,9 @@ class _Prefetcher:
             self.next += 1
             return self.fetch(self.segments[self.next - 1])
         self._fill()
-        _, future = self.pending.popleft()
+        _, self.taking = self.pending.popleft()
         self._fill()  # the window moves on while the caller waits for, then replays, this one
-        return future.result()
+        return self.taking.result()
 
     def _fill(self) -> None:
         if self.pool is None:
@@ -460,8 +461,11 @@ class _Prefetcher:
         (they end at once); a running read is not waited for: it ends on its own, unused."""
         if self.pool is None:
             return
-        for _, future in self.pending:
+        reads = [future for _, future in self.pending]
+        if self.taking is not None:
+            reads.append(self.taking)
+        for future in reads:
             future.cancel()
-        running = any(not future.done() for _, future in self.pending)
+        running = any(not future.done() for future in reads)  # e.g. Ctrl-C while waiting for one
         self.pool.shutdown(wait=not running, cancel_futures=True)
         self.pending.clear()

@@ -11,6 +11,8 @@ import dataclasses
 import errno
 import logging
 import shutil
+import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -21,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 from engine_runs import FaultyStorage, Truth, assert_state, flip, record_span, restore, seg, train
+from helpers import ROOT, subprocess_env
 
 from diffckpt import CorruptRecordError, StorageError, open_storage
 from diffckpt import store as store_module
@@ -308,3 +311,15 @@ def test_an_unstarted_reader_starts_no_thread(run: tuple[Path, Truth]) -> None:
     records = store.read_records(plan)
     assert _prefetch_threads() == before and storage.reads == []
     records.close()
+
+
+# --------------------------------------------------------------------------------- benchmark
+def test_restore_benchmark_smoke_run(tmp_path: Path) -> None:
+    """``bench/restore.py --quick`` trains, restores every chain (checked bitwise) and reports."""
+    out = tmp_path / "restore.md"
+    proc = subprocess.run([sys.executable, f"{ROOT}/bench/restore.py", "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=120, env=subprocess_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = out.read_text()
+    for row in ("| 0 |", "| 10 |", "| 30 |", "| 30, TopK(0.01) |", "| warm | none |", "| cold | 4 segments"):
+        assert row in report
