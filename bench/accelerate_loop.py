@@ -44,17 +44,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
 
 from gpt import GPT, SIZES, make_dataset
-from provenance import header, report_path, write_report
+from provenance import dir_usage, header, report_path, write_report
 
 from accelerate_ckpt import DiffCheckpointer, GradientCompression
 from diffckpt.codecs import TopK
 
 CONFIGS = ["none", "diffckpt", "save_state", "dcp-async", "topk-none", "diffckpt-topk"]
 BASELINE = {"diffckpt": "none", "save_state": "none", "dcp-async": "none", "diffckpt-topk": "topk-none"}
-
-
-def dir_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
 def run_once(config: str, args: argparse.Namespace, steps: int) -> dict[str, Any]:
@@ -108,7 +104,7 @@ def run_once(config: str, args: argparse.Namespace, steps: int) -> dict[str, Any
         torch.save({"model": model.state_dict(), "optimizer": opt.optimizer.state_dict()}, full)
         full_bytes = os.path.getsize(full)
         os.remove(full)
-        return {"seconds": seconds, "bytes": dir_bytes(workdir), "full": full_bytes}
+        return {"seconds": seconds, "bytes": dir_usage(workdir)[0], "full": full_bytes}
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         AcceleratorState._reset_state(True)

@@ -63,7 +63,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
 
 from gpt import GPT, SIZES, make_loader
-from provenance import header, report_path, write_report
+from provenance import dir_usage, header, report_path, write_report
 
 from diffckpt import CheckpointEngine
 from diffckpt.codecs import LowPrecision, PowerSGD, TopK
@@ -109,10 +109,6 @@ class Timer(L.Callback):
         for cb in trainer.callbacks:
             if isinstance(cb, DiffCheckpoint) and cb.engine.started:
                 self.writer = cb.engine.writer  # its stats stay readable after close
-
-
-def dir_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(path) for n in names)
 
 
 def full_checkpoint_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -183,7 +179,7 @@ def run_single(codec: str, mode: str, args: argparse.Namespace, steps: int) -> d
         out = train(codec, mode, args.size, steps, args.warmup, run_dir, devices=1)
         assert out is not None
         if mode == "diffckpt":
-            out["diff_bytes"] = dir_bytes(os.path.join(run_dir, "diffs"))
+            out["diff_bytes"] = dir_usage(os.path.join(run_dir, "diffs"))[0]
             out.update(replay_times(run_dir, args.size))
         return out
     finally:
@@ -205,7 +201,7 @@ def run_ddp(codec: str, mode: str, args: argparse.Namespace) -> dict[str, Any]:
         with open(result) as f:
             out = json.load(f)
         if mode == "diffckpt":
-            out["diff_bytes"] = dir_bytes(os.path.join(run_dir, "run", "diffs"))
+            out["diff_bytes"] = dir_usage(os.path.join(run_dir, "run", "diffs"))[0]
         return out
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)

@@ -59,7 +59,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
 
 from gpt import GPT, SIZES, make_loader, plain_step
-from provenance import header, report_path, write_report
+from provenance import dir_usage, header, report_path, write_report
 
 from diffckpt import CheckpointEngine, CheckpointOptions, FsspecStorage, RetentionPolicy
 from diffckpt.format import decode_commit
@@ -160,7 +160,7 @@ def run_once(config: Config, args: argparse.Namespace) -> dict[str, Any]:
         if engine is None or writer is None:
             return out
         compactions = maintenance.compactions if maintenance else []
-        out.update(storage_usage(root), on_storage=bases_on_storage(root),
+        out.update(dict(zip(("bytes", "files"), dir_usage(root))), on_storage=bases_on_storage(root),
                    by_training=writer.stats.bases,
                    by_compaction=sum(1 for c in compactions if c["written"]),
                    compaction_s=sum(c["seconds"] for c in compactions),
@@ -174,16 +174,6 @@ def run_once(config: Config, args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(root, ignore_errors=True)
         del model, opt, sched, engine, maintenance, writer
         gc.collect()
-
-
-def storage_usage(root: str) -> dict[str, int]:
-    """Bytes and files under the run root, as a storage bill would count them."""
-    nbytes = files = 0
-    for dirpath, _, names in os.walk(root):
-        for name in names:
-            nbytes += os.path.getsize(os.path.join(dirpath, name))
-            files += 1
-    return {"bytes": nbytes, "files": files}
 
 
 def bases_on_storage(root: str) -> dict[str, int]:

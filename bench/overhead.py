@@ -39,7 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
 
 from gpt import GPT, SIZES, make_loader
-from provenance import header, report_path, write_report
+from provenance import dir_usage, header, report_path, write_report
 
 from lightning_ckpt import DiffCheckpoint, DiffCheckpointIO
 
@@ -66,15 +66,6 @@ class Timer(L.Callback):
         for cb in trainer.callbacks:
             if isinstance(cb, DiffCheckpoint):
                 self.writer = cb.engine.writer  # its stats stay readable after close
-
-
-def dir_bytes(path: str) -> tuple[int, int]:
-    total = files = 0
-    for dirpath, _, names in os.walk(path):
-        for name in names:
-            total += os.path.getsize(os.path.join(dirpath, name))
-            files += 1
-    return total, files
 
 
 def fsync_tree(path: str) -> None:
@@ -119,7 +110,7 @@ def run_once(config: str, args: argparse.Namespace, steps: int, warmup: int) -> 
         fsync_tree(workdir)
         t_durable = time.perf_counter()
         assert timer.t0 is not None and timer.t_loop_end is not None
-        nbytes, nfiles = dir_bytes(workdir)
+        nbytes, nfiles = dir_usage(workdir)
         out = {
             "seconds": t_fit - timer.t0,
             "durable": t_durable - timer.t0,

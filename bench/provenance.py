@@ -1,5 +1,5 @@
-"""What every benchmark report shares: the header lines (when, which commit, which machine) and
-where and how the Markdown report is written."""
+"""What every benchmark report shares: the header lines (when, which commit, which machine),
+where and how the Markdown report is written, and how bytes on local storage are counted."""
 
 from __future__ import annotations
 
@@ -47,3 +47,13 @@ def write_report(path: str, lines: list[str]) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         f.write("\n".join(lines))
+
+
+def dir_usage(path: str) -> tuple[int, int]:
+    """``(bytes, files)`` under ``path``, as a storage bill counts them."""
+    total = files = 0
+    for dirpath, _, names in os.walk(path):
+        for name in names:
+            total += os.path.getsize(os.path.join(dirpath, name))
+            files += 1
+    return total, files
