@@ -63,3 +63,22 @@ def test_cli_golden_session(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
             _fix_compaction_time(root)
         _check(name, _mask(f"$ diffckpt {' '.join(map(str, argv))}\nexit {rc}\n{out}"
                            + (f"stderr:\n{err}" if err else ""), tmp_path))
+
+
+def test_progress_bars_on_a_terminal(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    root = tmp_path / "run"
+    fixed_run(root)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    rc, _, err = cli(capsys, "compact", root, "--to", "8")  # replays 3 steps from base 5
+    assert rc == 0 and "replaying [" in err and "] 3/3" in err
+    rc, _, err = cli(capsys, "export", root, "--step", "13", "-o", tmp_path / "x.pt")
+    assert rc == 0 and "] 3/3" in err  # from base 10
+    rc, _, err = cli(capsys, "gc", root, "--keep-last-bases", "1", "--apply")
+    assert rc == 0 and "deleting [" in err and "] 10/10" in err  # bases 0, 5, 8 and 4 segments
+    # Redirected (not a terminal): nothing is drawn.
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    rc, _, err = cli(capsys, "verify", root)
+    assert (rc, err) == (0, "")
