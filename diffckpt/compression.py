@@ -83,7 +83,14 @@ class GradientCompressor(Pausable):
     # ------------------------------------------------------------- compressing
     def set_clipping(self, kind: str | None, value: float | None = None, norm_type: float = 2.0) -> None:
         """Declare the gradient clipping training applies after compression (``"norm"`` as
-        ``clip_grad_norm_``, ``"value"`` as ``clip_grad_value_``, ``None`` for none)."""
+        ``clip_grad_norm_``, ``"value"`` as ``clip_grad_value_``, ``None`` for none).
+
+        Replay clips the optimizer's parameters in param-group order. For ``"norm"``, training
+        must clip the same list in the same order (``[p for g in opt.param_groups for p in
+        g["params"]]``): the total norm is a float sum, and another order changes its last bits.
+        Lightning and Accelerate adapters do this; a plain loop that clips ``model.parameters()``
+        in another order is caught by the payload checks and fingerprints, not silently exact.
+        """
         if kind is None or value is None:
             self.clip = None
         elif kind == "norm":
