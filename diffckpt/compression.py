@@ -88,8 +88,9 @@ class GradientCompressor(Pausable):
         Replay clips the optimizer's parameters in param-group order. For ``"norm"``, training
         must clip the same list in the same order (``[p for g in opt.param_groups for p in
         g["params"]]``): the total norm is a float sum, and another order changes its last bits.
-        Lightning and Accelerate adapters do this; a plain loop that clips ``model.parameters()``
-        in another order is caught by the payload checks and fingerprints, not silently exact.
+        The Lightning and Accelerate adapters do this. A plain loop that clips ``model.parameters()``
+        in another order replays with different last bits, which the payload checks
+        (``check_every``) and fingerprints detect only at the steps where they run.
         """
         if kind is None or value is None:
             self.clip = None
