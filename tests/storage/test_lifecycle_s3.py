@@ -1,6 +1,7 @@
-"""Garbage collection on a real S3-compatible server (moto): ``diffckpt gc --apply`` killed with
-SIGKILL while it deletes leaves a restorable run every time, and a later run finishes the job;
-incomplete multipart uploads are aborted once old enough."""
+"""Retention and compaction on a real S3-compatible server (moto): ``diffckpt gc --apply`` killed
+with SIGKILL while it deletes leaves a restorable run every time, and a later run finishes the
+job; incomplete multipart uploads are aborted once old enough; compaction writes a base there
+that equals the trained state."""
 
 from __future__ import annotations
 
@@ -121,3 +122,14 @@ def test_incomplete_multipart_uploads_are_aborted_once_old(local_run, s3_bucket)
     assert uploads() == ["elsewhere/obj"]  # outside the run root: not ours
     fs.call_s3("abort_multipart_upload", Bucket=s3_bucket.bucket, Key="elsewhere/obj", UploadId=other["UploadId"])
     _assert_restorable(s3_bucket.url, s3_bucket.storage_options, truth, [None, 0])
+
+
+def test_compaction_on_s3_equals_the_trained_state(local_run, s3_bucket) -> None:
+    root, truth = local_run
+    s3_bucket.fs().put(str(root), f"{s3_bucket.bucket}/run", recursive=True)
+    result = diffckpt.compact(s3_bucket.url, 26, storage_options=s3_bucket.storage_options)
+    assert (result.written, result.from_base, result.replayed) == (True, 20, 6)
+    state = diffckpt.load_state(s3_bucket.url, 26, storage_options=s3_bucket.storage_options)
+    assert (state["base_step"], state["replayed"]) == (26, 0)  # restores start from it now
+    assert_bitwise_equal(truth[26]["model"], state["model"])
+    assert_bitwise_equal(truth[26]["optimizers"], state["optimizers"])
