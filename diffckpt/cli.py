@@ -415,6 +415,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="run root (local path or fsspec URL); <URL>/step=N names a step")
     common.add_argument("-O", "--storage-option", action="append", default=[], metavar="KEY=VALUE",
                         help="fsspec storage option (repeatable; VALUE may be JSON)")
+    common.add_argument("--retry-budget", type=float, default=60.0, metavar="SECONDS",
+                        help="how long transient storage failures are retried (default 60)")
     replaying = argparse.ArgumentParser(add_help=False)
     replaying.add_argument("--step", type=int, help="step to rebuild (default: newest durable)")
     replaying.add_argument("--allow-module", action="append", default=["torch."], metavar="MODULE",
@@ -474,7 +476,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except DiffCkptError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        # The library names its option; on the command line it is a flag.
+        print(f"error: {str(exc).replace('RetryPolicy.budget_s sets', '--retry-budget sets')}", file=sys.stderr)
         return 1
     except json.JSONDecodeError as exc:  # session and run files carry no checksum of their own
         print(f"error: a JSON file of the run is damaged: {exc}", file=sys.stderr)

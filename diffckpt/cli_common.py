@@ -14,6 +14,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from .errors import CheckpointNotFoundError, UnsupportedConfigurationError
+from .retry import RetryPolicy
 from .storage import open_storage
 from .store import RUN_FILE, Inventory, RunStore
 
@@ -111,7 +112,8 @@ def open_run(args: argparse.Namespace) -> tuple[RunStore, Inventory, int | None]
     root, step = split_target(args.url)
     # Absolute, so the ckpt_path that `ls` prints works from any working directory.
     root = root if "://" in root else os.path.abspath(root)
-    store = RunStore(open_storage(root, **storage_options(args.storage_option)))
+    retry = RetryPolicy(budget_s=args.retry_budget, max_backoff_s=min(10.0, max(0.2, args.retry_budget / 4)))
+    store = RunStore(open_storage(root, retry=retry, **storage_options(args.storage_option)))
     inv = store.inventory()
     if not (inv.bases or inv.sessions or store.is_run()):
         raise CheckpointNotFoundError(

@@ -121,3 +121,43 @@ def test_compressed_run_resumes_its_codec_from_a_compacted_base(tmp_path: Path) 
         assert_bitwise_equal(compressor.state_dict(), trained.codec_truth[step])
     payloads = _base(tmp_path, 9)[1]["codec_payloads"]
     assert payloads and all(torch.is_tensor(t) for p in payloads.values() for t in p.values())
+
+
+def _cli(*argv: Any) -> tuple[int, str]:
+    import contextlib
+    import io
+
+    from diffckpt.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        rc = main([str(a) for a in argv])
+    return rc, err.getvalue()
+
+
+def test_bad_input_is_named_and_writes_nothing(run: tuple[Path, dict[int, Any]], tmp_path: Path) -> None:
+    import socket
+
+    from engine_runs import flip, seg
+
+    root, _ = run
+    # Not a run: exit 2, for gc and compact alike.
+    (tmp_path / "empty").mkdir()
+    for command in ("gc", "compact"):
+        rc, err = _cli(command, tmp_path / "empty")
+        assert rc == 2 and "no diffckpt run under" in err, err
+    # A damaged segment on the way: exit 1, the segment named, no base written.
+    flip(seg(root, 6, 9), 40)
+    rc, err = _cli("compact", root, "--to", "12")
+    assert rc == 1 and "000000000006-000000000009" in err, err
+    assert not base_dir(root, 12).exists()
+    # Unreachable object storage: exit 1 after the retry budget, with what to check.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    options = ["-O", f"endpoint_url=http://127.0.0.1:{port}", "-O", "key=k", "-O", "secret=s",
+               "-O", 'config_kwargs={"retries": {"total_max_attempts": 1}, "connect_timeout": 1}',
+               "--retry-budget", "0.3"]
+    for command in ("gc", "compact"):
+        rc, err = _cli(command, "s3://bucket/run", *options)
+        assert rc == 1 and "endpoint is reachable" in err and "--retry-budget sets" in err, err
