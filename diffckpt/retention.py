@@ -129,58 +129,77 @@ class GcPlan:
 
 
 # ------------------------------------------------------------------------------ planning
-def _ends(inv: Inventory, base: BaseName) -> list[int]:
-    """Restorable steps of ``base``'s chain that need no partial segment: its own step and every
-    segment end (segments are cut at restorable steps)."""
-    return [base.step] + [s.last for s in inv.chain(base)]
+class _Chains:
+    """Every committed base's chain, computed once: thousands of segments and many bases make
+    recomputing them per question (as ``Inventory.chain`` does) quadratic."""
+
+    def __init__(self, inv: Inventory) -> None:
+        self.of = {b: inv.chain(b) for b in inv.bases}
+        self.bases = sorted(inv.bases, reverse=True)  # newest step first (least replay)
+
+    def ends(self, base: BaseName) -> list[int]:
+        """Restorable steps of ``base``'s chain that need no partial segment: its own step and
+        every segment end (segments are cut at restorable steps)."""
+        return [base.step] + [s.last for s in self.of[base]]
+
+    def end(self, base: BaseName) -> int:
+        return self.of[base][-1].last if self.of[base] else base.step
+
+    def newest(self, gen: int) -> int | None:
+        return max((self.end(b) for b in self.bases if b.gen == gen), default=None)
+
+    def base_for(self, gen: int, step: int) -> BaseName | None:
+        """The newest committed base of ``gen`` whose chain reaches ``step``."""
+        return next((b for b in self.bases if b.gen == gen and b.step <= step <= self.end(b)), None)
+
+    def route(self, base: BaseName, step: int) -> list[SegmentName]:
+        """The segments from ``base`` up to the one holding ``step``."""
+        out = []
+        for seg in self.of[base]:
+            if seg.after >= step:
+                break
+            out.append(seg)
+        return out
 
 
-def _base_for(inv: Inventory, gen: int, step: int) -> BaseName | None:
-    """The newest committed base of ``gen`` whose chain reaches ``step`` (the least replay)."""
-    for base in sorted((b for b in inv.bases if b.gen == gen), reverse=True):
-        if RunStore._plan_for(inv, base, step) is not None:
-            return base
-    return None
-
-
-def _targets(inv: Inventory, policy: RetentionPolicy, mtimes: dict[str, float | None],
+def _targets(inv: Inventory, chains: _Chains, policy: RetentionPolicy, mtimes: dict[str, float | None],
              now: float) -> dict[tuple[int, int, int], list[str]]:
     """``{(gen, step, base step): reasons}`` of every step to keep restorable."""
     out: dict[tuple[int, int, int], list[str]] = {}
 
     def keep(gen: int, step: int, reason: str, base: BaseName | None = None) -> None:
-        base = base or _base_for(inv, gen, step)
+        base = base or chains.base_for(gen, step)
         if base is not None:
             out.setdefault((gen, step, base.step), []).append(reason)
 
     newest_gen = next((g for g in inv.gens() if any(b.gen == g for b in inv.bases)), None)
     if newest_gen is None:
         return out
-    newest = inv.newest_step(newest_gen)
-    assert newest is not None
-    keep(newest_gen, newest, "newest durable step")
-    if policy.keep_newer_than_s is None and policy.keep_last_bases is None and policy.keep_every_n_steps is None:
-        for base in inv.bases:  # keep everything restorable
-            keep(base.gen, _ends(inv, base)[-1], "no keep_* policy: everything is kept", base)
+    keep(newest_gen, chains.newest(newest_gen) or 0, "newest durable step")
+    if policy.keeps_everything:
+        for base in inv.bases:
+            keep(base.gen, chains.end(base), "no keep_* policy: everything is kept", base)
         return out
     if policy.keep_last_bases is not None:
-        for base in sorted(inv.bases, key=lambda b: (b.gen, b.step), reverse=True)[:policy.keep_last_bases]:
-            n = policy.keep_last_bases
-            keep(base.gen, _ends(inv, base)[-1], "within the newest base" if n == 1 else
-                 f"within the last {n} bases", base)
+        n = policy.keep_last_bases
+        why = "within the newest base" if n == 1 else f"within the last {n} bases"
+        for base in sorted(inv.bases, key=lambda b: (b.gen, b.step), reverse=True)[:n]:
+            keep(base.gen, chains.end(base), why, base)
     if policy.keep_every_n_steps is not None:
         k, claimed = policy.keep_every_n_steps, set()
         for gen in inv.gens():  # the newest session's history wins where sessions overlap
             bases = sorted(b for b in inv.bases if b.gen == gen)
-            windows = {s // k for b in bases for s in _ends(inv, b)} - claimed
-            for w in sorted(windows):
-                in_bases = [b for b in bases if w * k <= b.step < (w + 1) * k]
-                if in_bases:
-                    keep(gen, in_bases[0].step, f"one per {k} steps", in_bases[0])
-                else:
-                    first = min(s for b in bases for s in _ends(inv, b) if w * k <= s < (w + 1) * k)
-                    keep(gen, first, f"one per {k} steps")
-            claimed |= windows
+            first: dict[int, int] = {}  # window -> its first restorable step
+            for b in bases:
+                for step in chains.ends(b):
+                    first[step // k] = min(first.get(step // k, step), step)
+            base_in = {}
+            for b in reversed(bases):  # the oldest base in each window wins
+                base_in[b.step // k] = b
+            for w in sorted(set(first) - claimed):
+                b = base_in.get(w)
+                keep(gen, b.step if b else first[w], f"one per {k} steps", b)
+            claimed |= set(first)
     if policy.keep_newer_than_s is not None:
         cutoff = now - policy.keep_newer_than_s
         young = {p for p, t in mtimes.items() if t is None or t >= cutoff}
@@ -199,23 +218,22 @@ def plan_gc(store: RunStore, policy: RetentionPolicy, now: float | None = None) 
     now = time.time() if now is None else now
     details = _details(store)
     inv = store.inventory({p: size for p, (size, _) in details.items() if not _hidden(p)})
+    chains = _Chains(inv)
     mtimes = {p: t for p, (_, t) in details.items()}
     plan = GcPlan(url=store.storage.url.rstrip("/"), sizes={p: s for p, (s, _) in details.items()})
-    targets = _targets(inv, policy, mtimes, now)
     needed: set[str] = set()
     by_key: dict[tuple[int, int], Kept] = {}
-    for (gen, step, base_step), reasons in sorted(targets.items()):
+    for (gen, step, base_step), reasons in sorted(_targets(inv, chains, policy, mtimes, now).items()):
         base = BaseName(base_step, gen)
-        route = RunStore._plan_for(inv, base, step)
-        assert route is not None
         needed.add(base.dir)
-        needed.update(s.path for s in route.segments)
+        needed.update(s.path for s in chains.route(base, step))
         kept = by_key.setdefault((gen, step), Kept(gen, step, base_step, []))
         kept.reasons += [r for r in reasons if r not in kept.reasons]
     plan.kept = sorted(by_key.values(), key=lambda k: (k.gen, k.step))
 
-    reachable = {s.path for b in inv.bases for s in inv.chain(b)}
+    reachable = {s.path for chain in chains.of.values() for s in chain}
     newest_gen = max(inv.gens(), default=0)
+    newest = {gen: chains.newest(gen) for gen in {s.gen for s in inv.segments}}
     for seg in inv.segments:
         if seg.path in needed:
             continue
@@ -224,18 +242,21 @@ def plan_gc(store: RunStore, policy: RetentionPolicy, now: float | None = None) 
             continue
         # Beyond a gap in its chain: unrestorable now, but never delete what may be newer than
         # the session's durable state (a missing segment may yet appear, or be restored).
-        newest = inv.newest_step(seg.gen)
-        if (newest is not None and seg.last <= newest) or (newest is None and seg.gen < newest_gen):
+        end = newest[seg.gen]
+        if (end is not None and seg.last <= end) or (end is None and seg.gen < newest_gen):
             plan.segments.append(seg)
         else:
             plan.kept_beyond_gaps.append(seg.path)
     committed = {b.dir for b in inv.bases}
+    by_dir: dict[str, list[str]] = {}
+    for path in details:
+        if path.startswith("bases/"):
+            by_dir.setdefault(path.rsplit("/", 1)[0], []).append(path)
     for base in inv.bases:
         if base.dir not in needed:
-            files = [p for p in details if p.startswith(base.dir + "/")]
             # COMMIT first: the base stops being committed before any of its files go.
             plan.bases.append(base)
-            plan.base_files[base] = sorted(files, key=lambda p: (p != base.commit_path, p))
+            plan.base_files[base] = sorted(by_dir.get(base.dir, []), key=lambda p: (p != base.commit_path, p))
     planned = {p for files in plan.base_files.values() for p in files}
     plan.leftovers = [x for x in _leftovers(store, details, committed, now - policy.min_age_s)
                       if x.path not in planned]
