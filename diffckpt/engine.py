@@ -264,8 +264,12 @@ class CheckpointEngine:
             if self.writer:
                 durable = self.writer.close(timeout)
         finally:
-            if self.maintenance is not None:  # a last retention pass over what is now durable
-                self.maintenance.close(self.options.flush_timeout_s)
+            if self.maintenance is not None:
+                # A normal end: a last retention pass over what is now durable. Interrupted
+                # (a timeout given): no more work, and no wait for a compaction under way (it
+                # commits nothing half done; what it leaves is removed as a leftover).
+                self.maintenance.close(self.options.flush_timeout_s if timeout is None else 0.0,
+                                       final=timeout is None)
                 self.maintenance = None
             if self.capture:
                 self.capture.remove()

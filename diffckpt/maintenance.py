@@ -52,6 +52,8 @@ class Maintenance:
         self.errors: list[str] = []
         self._compacted = -1
         self._bases_seen = 0
+        self._final = True
+        self._busy = False
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="diffckpt-maintenance", daemon=True)
@@ -61,13 +63,14 @@ class Maintenance:
         """Tell the thread that the durable step may have moved (cheap; call after each step)."""
         self._wake.set()
 
-    def close(self, timeout: float | None = None) -> None:
-        """Finish the job under way, run a last retention pass and stop (waiting at most
-        ``timeout`` seconds)."""
+    def close(self, timeout: float | None = None, final: bool = True) -> None:
+        """Finish the job under way, run a last retention pass (unless not ``final``: training
+        was interrupted and must exit soon) and stop, waiting at most ``timeout`` seconds."""
+        self._final = final
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout)
-        if self._thread.is_alive():
+        if self._thread.is_alive() and self._busy:
             log.warning("diffckpt: background compaction/retention still running after %.0fs; left to "
                         "finish on its own (an unfinished one leaves nothing a restore would use)", timeout)
 
@@ -77,12 +80,16 @@ class Maintenance:
             self._wake.wait()
             self._wake.clear()
             final = self._stop.is_set()  # closing: only retention over what is now durable
+            if final and not self._final:
+                return
+            self._busy = True
             try:
                 self.run_once(compaction=not final)
             except Exception as exc:  # noqa: BLE001  # never stops training; retried next time
                 self.errors.append(str(exc))
                 log.warning("diffckpt: background compaction/retention failed (training goes on; retried "
                             "at the next base): %s", exc)
+            self._busy = False
             if final:
                 return
 

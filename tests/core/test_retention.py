@@ -246,3 +246,21 @@ def test_cli_gc_without_policy_keeps_every_step_and_min_age_zero_removes_fresh_l
     out = capsys.readouterr().out
     assert not tmp.exists() and "deleted 1 object," in out and "temporary file of an interrupted write" in out
     _restorable(root, truth, [0, 1, 13 + 1, 40])
+
+
+def test_maintenance_close_runs_a_last_pass_unless_interrupted(run: tuple[Path, dict[int, Any]]) -> None:
+    from diffckpt.maintenance import Maintenance
+
+    root, truth = run
+    policy = RetentionPolicy(keep_last_bases=2)
+    # What the writer reports: step 40 durable, 5 bases committed (none seen by retention yet).
+    interrupted = Maintenance(open_storage(root), lambda: (40, 40, 5), compact_every_n_steps=None,
+                              retention=policy)
+    interrupted.close(5.0, final=False)  # SIGTERM: exit soon, delete nothing more
+    assert not interrupted.collections and len(_inv(root).bases) == 5
+    normal = Maintenance(open_storage(root), lambda: (40, 40, 5), compact_every_n_steps=None,
+                         retention=policy)
+    normal.close(30.0)  # the end of training: one last retention pass
+    assert [c["bases"] for c in normal.collections] == [3]
+    assert [b.step for b in _inv(root).bases] == [30, 40]
+    _restorable(root, truth, [30, 40])
