@@ -31,7 +31,7 @@ from diffckpt.engine import CheckpointEngine
 from diffckpt.errors import CheckpointNotFoundError, DiffCkptError, IncompatibleCheckpointError
 from diffckpt.options import CheckpointOptions
 from diffckpt.rng import get_rng_state, set_rng_state
-from diffckpt.tuning import tuning_metrics
+from diffckpt.tuning.model import tuning_metrics
 
 from .compression import GradientCompression
 from .dataloader import TrackedDataLoader

@@ -17,7 +17,7 @@ from accelerate.utils import DDPCommunicationHookType
 from torch.nn.parallel import DistributedDataParallel
 
 from diffckpt.codecs import Codec
-from diffckpt.compression import GradientCompressor, check_codec
+from diffckpt.codecs.compressor import GradientCompressor, check_codec
 from diffckpt.errors import UnsupportedConfigurationError
 
 from .support import prepared_model

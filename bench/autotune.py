@@ -81,7 +81,7 @@ from provenance import header, report_path, write_report
 
 from diffckpt import CheckpointEngine, CheckpointOptions, FsspecStorage, TuningOptions
 from diffckpt.format import SegmentName
-from diffckpt.tuning import Settings, describe
+from diffckpt.tuning.model import Settings, describe
 
 FIXED = [(n, b) for n in (1, 10, 100) for b in (1, 16)]
 MTBFS = {"30 min": 1800.0, "6 h": 6 * 3600.0, "1 week": 7 * 24 * 3600.0}
@@ -468,7 +468,7 @@ def render(rows: list[dict[str, Any]], results: dict[tuple, list[dict[str, Any]]
 def model_view(results: dict[tuple, list[dict[str, Any]]], base_every: int) -> list[str]:
     """The tuner's own cost model on the measurements of each auto run's last review: its
     predicted J for the fixed settings, next to its choice."""
-    from diffckpt.tuning import expected_loss
+    from diffckpt.tuning.model import expected_loss
 
     mt = [m for m in MTBFS if results.get(("auto", m)) and results[("auto", m)][-1]["last_review"]]
     if not mt:

@@ -140,7 +140,6 @@ def plot(path: str, results: dict[str, dict[str, Any]], args: argparse.Namespace
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     from matplotlib.ticker import ScalarFormatter
 
     fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(12, 4.5))

@@ -63,7 +63,7 @@ from provenance import dir_usage, header, report_path, write_report
 
 from diffckpt import CheckpointEngine, CheckpointOptions, FsspecStorage, RetentionPolicy
 from diffckpt.format import decode_commit
-from diffckpt.store import RunStore
+from diffckpt.runstore import RunStore
 
 WRITE_BATCH = 8
 RESTORES = 3

@@ -22,7 +22,7 @@ Every measurement is repeated ``--repeats`` times, interleaved (the order revers
 repeat), and the median is reported. The page cache is warm unless a row says ``cold``: then every
 file of the run (or the Lightning checkpoint) is dropped from the page cache first
 (``posix_fadvise(DONTNEED)``; the disk's own cache, if the machine is virtual, stays). For the
-longest chain, prefetching (segments read and decoded ahead of replay, ``diffckpt.store.
+longest chain, prefetching (segments read and decoded ahead of replay, ``diffckpt.runstore.
 PREFETCH_SEGMENTS``, 4 by default) is compared with none (0). Unless ``--no-codec``, a second run
 trains with ``TopK(0.01)`` compressed gradients (the payloads are the diffs) and its longest chain
 is restored too (prefetch on).
@@ -62,11 +62,11 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
 from gpt import GPT, SIZES, make_loader
 from provenance import header, report_path, write_report
 
-import diffckpt.store
+import diffckpt.runstore
 from diffckpt import CheckpointEngine, CheckpointOptions, GradientCompressor
 from diffckpt.capture import clone_tree
 from diffckpt.codecs import TopK
-from diffckpt.store import RunStore
+from diffckpt.runstore import RunStore
 
 CHAINS = (0, 10, 100, 1000)
 WRITE_BATCH = 8
@@ -187,12 +187,12 @@ def files_under(root: str) -> list[str]:
 @contextlib.contextmanager
 def prefetching(depth: int) -> Iterator[None]:
     """Replay with ``depth`` segments read ahead (0: each read when replay reaches it)."""
-    saved = diffckpt.store.PREFETCH_SEGMENTS
-    diffckpt.store.PREFETCH_SEGMENTS = depth
+    saved = diffckpt.runstore.PREFETCH_SEGMENTS
+    diffckpt.runstore.PREFETCH_SEGMENTS = depth
     try:
         yield
     finally:
-        diffckpt.store.PREFETCH_SEGMENTS = saved
+        diffckpt.runstore.PREFETCH_SEGMENTS = saved
 
 
 def assert_bitwise(truth: dict[str, Any], model: GPT, opt: Any, what: str) -> None:

@@ -7,8 +7,7 @@ framework-free core; see
 ``lightning_ckpt`` and ``accelerate_ckpt`` for the integrations.
 """
 
-from .compaction import CompactionResult, compact
-from .compression import GradientCompressor
+from .codecs.compressor import GradientCompressor
 from .engine import CheckpointEngine
 from .errors import (
     CheckpointNotFoundError,
@@ -22,13 +21,14 @@ from .errors import (
     UnsupportedConfigurationError,
 )
 from .export import export_checkpoint
+from .lifecycle.compaction import CompactionResult, compact
+from .lifecycle.retention import RetentionPolicy, collect_garbage
 from .loading import load_state
 from .options import CheckpointOptions
 from .replay import ReplayResult
-from .retention import RetentionPolicy, collect_garbage
-from .retry import RetryPolicy
-from .storage import FsspecStorage, Storage, open_storage
-from .tuning import TuningOptions
+from .storage.fsspec_storage import FsspecStorage, Storage, open_storage
+from .storage.retry import RetryPolicy
+from .tuning.model import TuningOptions
 
 __version__ = "0.1.0"
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .compression import GradientCompressor
+from .codecs.compressor import GradientCompressor
 from .errors import UnsupportedConfigurationError
 from .pausable import Pausable
 

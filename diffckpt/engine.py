@@ -18,18 +18,18 @@ from typing import Any
 
 import torch
 
-from .autotune import OnlineTuning
 from .capture import StepCapture, clone_tree, group_hyperparams, tree_nbytes
-from .compression import GradientCompressor
+from .codecs.compressor import GradientCompressor
 from .errors import DiffCkptError
-from .maintenance import Maintenance
+from .lifecycle.maintenance import Maintenance
 from .options import CheckpointOptions
 from .policies import IntervalPolicy, StepContext
 from .replay import ReplayResult, replay
-from .retry import unwrap
-from .storage import Storage, open_storage
-from .store import RunStore
-from .tuning import Decision, Settings
+from .runstore import RunStore
+from .storage.fsspec_storage import Storage, open_storage
+from .storage.retry import unwrap
+from .tuning.model import Decision, Settings
+from .tuning.online import OnlineTuning
 from .writer import BackgroundWriter
 
 __all__ = ["CheckpointEngine"]

@@ -19,7 +19,7 @@ import torch
 
 from .errors import UnsupportedConfigurationError
 from .loading import load_state
-from .storage import FsspecStorage, Storage
+from .storage.fsspec_storage import FsspecStorage, Storage
 
 __all__ = ["FORMATS", "export_checkpoint"]
 

@@ -15,8 +15,8 @@ import torch
 
 from .errors import UnsupportedConfigurationError
 from .replay import ReplayResult, ReplayTarget, replay
-from .storage import Storage, open_storage
-from .store import RestorePlan, RunStore
+from .runstore import RestorePlan, RunStore
+from .storage.fsspec_storage import Storage, open_storage
 
 __all__ = ["load_state", "replay_plan"]
 

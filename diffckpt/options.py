@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .retention import RetentionPolicy
-from .retry import RetryPolicy
-from .tuning import AUTO, TuningOptions
+from .lifecycle.retention import RetentionPolicy
+from .storage.retry import RetryPolicy
+from .tuning.model import AUTO, TuningOptions
 
 __all__ = ["CheckpointOptions"]
 

@@ -23,14 +23,14 @@ import torch
 
 from .capture import fingerprint
 from .codecs import Codec, codec_from_config
-from .compression import clip_gradients
+from .codecs.compressor import clip_gradients
 from .errors import (
     CheckpointNotFoundError,
     CorruptRecordError,
     IncompatibleCheckpointError,
     ReplayMismatchError,
 )
-from .store import ReadStats, RestorePlan, RunStore
+from .runstore import ReadStats, RestorePlan, RunStore
 
 __all__ = ["ReplayResult", "ReplayTarget", "load_into", "replay", "replay_progress"]
 

@@ -27,11 +27,11 @@ import torch
 from .capture import fingerprint
 from .errors import ConcurrentWriterError, DiffCkptError, StorageUnavailableError
 from .format import BaseName, SegmentName, base_commit, encode_segment_parts
-from .measure import Meter
 from .options import CheckpointOptions
-from .retry import RetryingStorage
-from .store import RunStore
+from .runstore import RunStore
+from .storage.retry import RetryingStorage
 from .tree import pack_parts
+from .tuning.meter import Meter
 
 __all__ = ["BackgroundWriter", "WriterStats"]
 

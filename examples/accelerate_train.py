@@ -167,8 +167,8 @@ def watch(proc: subprocess.Popen, kill_at: int | None = None) -> dict:
 
 
 def demo(args: argparse.Namespace) -> int:
+    from diffckpt.runstore import RunStore
     from diffckpt.storage import open_storage
-    from diffckpt.store import RunStore
 
     work = tempfile.mkdtemp(prefix="diffckpt-accelerate-")
     run_dir, log_path = os.path.join(work, "run"), os.path.join(work, "children.log")

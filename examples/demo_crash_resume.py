@@ -221,8 +221,8 @@ def fail(msg: str, log_path: str) -> None:
 def parent(args: argparse.Namespace) -> int:
     import torch
 
+    from diffckpt.runstore import RunStore
     from diffckpt.storage import open_storage
-    from diffckpt.store import RunStore
 
     begin = time.perf_counter()
     work = tempfile.mkdtemp(prefix="diffckpt-demo-")

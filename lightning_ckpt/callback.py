@@ -22,13 +22,13 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 from diffckpt.codecs import Codec
-from diffckpt.compression import GradientCompressor
+from diffckpt.codecs.compressor import GradientCompressor
 from diffckpt.engine import CheckpointEngine
 from diffckpt.errors import DiffCkptError, UnsupportedConfigurationError
 from diffckpt.options import CheckpointOptions
 from diffckpt.rng import get_rng_state, set_rng_state
-from diffckpt.store import RUN_FILE
-from diffckpt.tuning import tuning_metrics
+from diffckpt.runstore import RUN_FILE
+from diffckpt.tuning.model import tuning_metrics
 
 from .compression import GradientCompression
 from .references import write_reference

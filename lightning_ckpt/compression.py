@@ -18,7 +18,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from diffckpt.codecs import Codec
-from diffckpt.compression import GradientCompressor, check_codec
+from diffckpt.codecs.compressor import GradientCompressor, check_codec
 from diffckpt.errors import UnsupportedConfigurationError
 
 __all__ = ["GradientCompression"]

@@ -12,8 +12,8 @@ import posixpath
 import re
 from typing import Any
 
+from diffckpt.runstore import RUN_FILE
 from diffckpt.storage import FsspecStorage, open_storage
-from diffckpt.store import RUN_FILE
 
 __all__ = ["is_reference", "resolve_target", "write_reference"]
 

@@ -19,8 +19,8 @@ import pytest
 import torch
 from helpers import ROOT, assert_bitwise_equal, run_script, script_env
 
+from diffckpt.runstore import RunStore
 from diffckpt.storage import open_storage
-from diffckpt.store import RunStore
 
 SCRIPT = "tests/accelerate/accel_script.py"
 SEED = int(os.environ.get("DIFFCKPT_TEST_SEED", "20261122"))

@@ -11,9 +11,9 @@ import pytest
 from engine_runs import assert_state, make, restore, snapshot, train_steps
 
 from diffckpt import CheckpointEngine, CheckpointOptions, TuningOptions
-from diffckpt.autotune import WARMUP_STEPS
-from diffckpt.store import RunStore
-from diffckpt.tuning import Settings
+from diffckpt.runstore import RunStore
+from diffckpt.tuning.model import Settings
+from diffckpt.tuning.online import WARMUP_STEPS
 
 
 def _review_when_due(engine: CheckpointEngine, step: int) -> None:

@@ -46,7 +46,7 @@ from diffckpt import (
     UnsupportedConfigurationError,
     load_state,
 )
-from diffckpt.store import RunStore
+from diffckpt.runstore import RunStore
 
 Truth = dict[int, dict[str, Any]]
 

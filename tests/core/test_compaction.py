@@ -17,9 +17,9 @@ from test_compressed import CODECS, Run
 from test_compressed import make as make_coded
 
 from diffckpt import CheckpointEngine, CheckpointNotFoundError, ReplayMismatchError, compact
-from diffckpt.compression import GradientCompressor
+from diffckpt.codecs.compressor import GradientCompressor
+from diffckpt.runstore import RunStore
 from diffckpt.storage import open_storage
-from diffckpt.store import RunStore
 
 STEPS = 20  # one base (step 0), segments of 3 steps: ends at 3, 6, ..., 18, 20
 

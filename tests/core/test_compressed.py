@@ -20,7 +20,7 @@ from diffckpt import (
     load_state,
 )
 from diffckpt.codecs import LowPrecision, PowerSGD, TopK, codec_from_config
-from diffckpt.compression import GradientCompressor
+from diffckpt.codecs.compressor import GradientCompressor
 
 CODECS = {
     "topk": lambda: TopK(0.05),

@@ -19,8 +19,8 @@ from diffckpt import (
     DiffCkptError,
     load_state,
 )
+from diffckpt.runstore import RunStore
 from diffckpt.storage import FsspecStorage
-from diffckpt.store import RunStore
 
 
 @pytest.mark.parametrize("url", ["local", "memory"])

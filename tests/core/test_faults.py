@@ -37,8 +37,8 @@ from diffckpt import (
     StorageError,
     StorageUnavailableError,
 )
-from diffckpt.retry import RetryingStorage, is_transient
-from diffckpt.store import RunStore
+from diffckpt.runstore import RunStore
+from diffckpt.storage.retry import RetryingStorage, is_transient
 
 FAST = RetryPolicy(budget_s=0.3, initial_backoff_s=0.01, max_backoff_s=0.05)
 

@@ -45,8 +45,8 @@ from diffckpt.format import (
 )
 from diffckpt.loading import load_state
 from diffckpt.options import CheckpointOptions
+from diffckpt.runstore import RunStore
 from diffckpt.storage import FsspecStorage
-from diffckpt.store import RunStore
 from diffckpt.tree import decode_tree, pack_tree, read_metadata, unpack_tree
 from diffckpt.writer import BackgroundWriter
 

@@ -28,7 +28,7 @@ from helpers import ROOT, subprocess_env
 from diffckpt import CorruptRecordError, StorageError, open_storage
 from diffckpt import store as store_module
 from diffckpt.format import decode_segment
-from diffckpt.store import ReadStats, RunStore
+from diffckpt.runstore import ReadStats, RunStore
 from diffckpt.tree import pack_tree, unpack_tree
 
 STEPS = 20

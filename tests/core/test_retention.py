@@ -13,9 +13,9 @@ import pytest
 from engine_runs import assert_state, base_dir, restore, seg, train
 
 from diffckpt import CheckpointNotFoundError, RetentionPolicy, collect_garbage
-from diffckpt.retention import apply_gc, plan_gc
+from diffckpt.lifecycle.retention import apply_gc, plan_gc
+from diffckpt.runstore import RunStore
 from diffckpt.storage import FsspecStorage, open_storage
-from diffckpt.store import RunStore
 
 STEPS = 40  # bases at 0, 10, 20, 30, 40; segments of 2 steps
 
@@ -249,7 +249,7 @@ def test_cli_gc_without_policy_keeps_every_step_and_min_age_zero_removes_fresh_l
 
 
 def test_maintenance_close_runs_a_last_pass_unless_interrupted(run: tuple[Path, dict[int, Any]]) -> None:
-    from diffckpt.maintenance import Maintenance
+    from diffckpt.lifecycle.maintenance import Maintenance
 
     root, truth = run
     policy = RetentionPolicy(keep_last_bases=2)

@@ -2,7 +2,7 @@
 
 For each scenario the simulator finds the best settings on a grid by simulating each one (only
 those that meet the constraints as simulated count); the tuner then chooses from what a
-:class:`~diffckpt.measure.Meter` measured in a short simulated warm-up, as the engine lets it,
+:class:`~diffckpt.tuning.meter.Meter` measured in a short simulated warm-up, as the engine lets it,
 and its choice must lose, in simulation, at most 10% more than the grid's best. Online, with the
 tuner reviewing every ``retune_every_n_steps``, it must follow storage that slows down within a
 bounded number of steps, and not change settings back and forth under constant conditions.
@@ -28,8 +28,8 @@ from tuning_sim import (
     storage_change,
 )
 
-from diffckpt.measure import Meter
-from diffckpt.tuning import AUTO, GRID, AutoTuner, Settings, TuningOptions
+from diffckpt.tuning.meter import Meter
+from diffckpt.tuning.model import AUTO, GRID, AutoTuner, Settings, TuningOptions
 
 MB, GB = 1e6, 1e9
 HOUR, DAY, WEEK = 3600.0, 86400.0, 7 * 86400.0

@@ -1,5 +1,5 @@
-"""Unit tests of the auto-tuner's policy (``diffckpt.tuning``) and its measurements
-(``diffckpt.measure``): option checks, the candidate grid under fixed knobs, hysteresis, how
+"""Unit tests of the auto-tuner's policy (``diffckpt.tuning.model``) and its measurements
+(``diffckpt.tuning.meter``): option checks, the candidate grid under fixed knobs, hysteresis, how
 each constraint moves the choice, the write-cost fit, and when the meter is ready.
 
 ``test_tuner_sim.py`` checks the choices against a simulator; these check the pieces.
@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from diffckpt.measure import SKIPPED_STEPS, Meter, fit_write_cost
-from diffckpt.tuning import (
+from diffckpt.tuning.meter import SKIPPED_STEPS, Meter, fit_write_cost
+from diffckpt.tuning.model import (
     HYSTERESIS,
     WRITER_HEADROOM,
     AutoTuner,

@@ -1,6 +1,6 @@
 """A deterministic discrete-event simulator of training, the background writer, storage and
 failures, to check the auto-tuner's choices against timelines rather than against its own
-formulas (it never calls :func:`diffckpt.tuning.expected_loss`).
+formulas (it never calls :func:`diffckpt.tuning.model.expected_loss`).
 
 It mirrors ``diffckpt/writer.py`` and ``diffckpt/policies.py``: every optimizer step puts a
 record into a FIFO queue bounded in bytes (``memory_bytes``; a base's bytes count too, until it
@@ -29,8 +29,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from diffckpt.measure import Meter
-from diffckpt.tuning import Settings
+from diffckpt.tuning.meter import Meter
+from diffckpt.tuning.model import Settings
 
 __all__ = ["COMMIT_BYTES", "Controller", "Scenario", "SimResult", "fmt", "grid_optimum", "grid_settings",
            "make_scenario", "simulate", "storage_change"]
@@ -48,7 +48,7 @@ Controller = Callable[[Meter, int, Settings], Settings]
 
 @dataclass(frozen=True, kw_only=True)
 class Scenario:
-    """True costs of a run (the fields of :class:`~diffckpt.tuning.Measurements`), its failure
+    """True costs of a run (the fields of :class:`~diffckpt.tuning.model.Measurements`), its failure
     rate, its length, and changes of costs from a given step on."""
 
     name: str = ""

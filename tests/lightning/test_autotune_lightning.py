@@ -13,7 +13,7 @@ from helpers import assert_bitwise_equal, run_script
 from test_exactness import SCRIPT
 
 import diffckpt
-from diffckpt.store import RunStore
+from diffckpt.runstore import RunStore
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto")

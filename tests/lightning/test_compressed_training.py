@@ -17,8 +17,8 @@ import torch
 from helpers import assert_bitwise_equal, run_script
 from test_exactness import SCRIPT, SEED
 
+from diffckpt.runstore import RunStore
 from diffckpt.storage import open_storage
-from diffckpt.store import RunStore
 
 STEPS = 30  # the "adamw" config: clipping, gradient accumulation 2, validation every 5 batches
 DDP = ["--devices", "2"]

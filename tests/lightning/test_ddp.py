@@ -6,9 +6,8 @@ import random
 
 import pytest
 import torch
-
 from helpers import assert_bitwise_equal, run_script
-from test_exactness import SEED, SCRIPT
+from test_exactness import SCRIPT, SEED
 
 DDP = ["--devices", "2"]
 

@@ -7,7 +7,6 @@ import random
 
 import pytest
 import torch
-
 from helpers import assert_bitwise_equal, count_tensors, run_script
 
 SCRIPT = "tests/lightning/train_script.py"

@@ -20,7 +20,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 import diffckpt
 from diffckpt.errors import IncompatibleCheckpointError, UnsupportedConfigurationError
-from diffckpt.store import RunStore
+from diffckpt.runstore import RunStore
 from lightning_ckpt import DiffCheckpoint, DiffCheckpointIO
 
 

@@ -18,7 +18,7 @@ from helpers import assert_bitwise_equal, run_script, subprocess_env
 from test_exactness import SCRIPT
 
 import diffckpt
-from diffckpt.store import RunStore
+from diffckpt.runstore import RunStore
 
 STEPS = 60
 

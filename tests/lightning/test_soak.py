@@ -11,7 +11,6 @@ import random
 
 import pytest
 import torch
-
 from helpers import assert_bitwise_equal, run_script
 from test_exactness import SCRIPT, SEED, STEPS, reference  # noqa: F401  (fixture)
 

@@ -36,7 +36,7 @@ from diffckpt import (
     StorageUnavailableError,
     cli,
 )
-from diffckpt.store import RunStore
+from diffckpt.runstore import RunStore
 
 MiB = 1 << 20
 FAST = RetryPolicy(budget_s=0.5, initial_backoff_s=0.02, max_backoff_s=0.1)  # outages start soon

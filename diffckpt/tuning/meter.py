@@ -2,7 +2,7 @@
 
 The engine (training thread) and the writer (its own thread) report what they time; a
 :class:`Meter` keeps moving averages and turns them into the tuner's
-:class:`~diffckpt.tuning.Measurements` on demand. Writes are fitted as ``latency + bytes /
+:class:`~diffckpt.tuning.model.Measurements` on demand. Writes are fitted as ``latency + bytes /
 bandwidth`` over a window of recent requests of different sizes (segments, bases and their small
 COMMIT markers), seeded by a probe of the storage when the session starts.
 """
@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .tuning import Measurements
+from .model import Measurements
 
 __all__ = ["Meter", "fit_write_cost", "probe_storage"]
 

@@ -22,13 +22,13 @@ from typing import Any
 
 import torch
 
-from .capture import fingerprint
-from .errors import CheckpointNotFoundError
-from .format import BaseName, base_commit
-from .loading import load_state
-from .storage import Storage, open_storage
-from .store import RunStore
-from .tree import pack_parts
+from ..capture import fingerprint
+from ..errors import CheckpointNotFoundError
+from ..format import BaseName, base_commit
+from ..loading import load_state
+from ..runstore import RunStore
+from ..storage.fsspec_storage import Storage, open_storage
+from ..tree import pack_parts
 
 __all__ = ["CompactionResult", "compact"]
 

@@ -21,11 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import DiffCkptError
-from .format import BaseName, SegmentName
-from .retry import unwrap
-from .storage import Storage, open_storage
-from .store import Inventory, RunStore
+from ..errors import DiffCkptError
+from ..format import BaseName, SegmentName
+from ..runstore import Inventory, RunStore
+from ..storage.fsspec_storage import Storage, open_storage
+from ..storage.retry import unwrap
 
 __all__ = ["GcPlan", "RetentionPolicy", "apply_gc", "collect_garbage", "plan_gc"]
 

@@ -12,7 +12,7 @@ What the tuner needs comes from three places:
   and zstd speed (encoding), the optimizer step time (replay, scaled linearly to the model size)
   and a constant for the loop state of a restorable point.
 
-The same cost model then runs as in training (:class:`~diffckpt.tuning.AutoTuner`). This is for
+The same cost model then runs as in training (:class:`~diffckpt.tuning.model.AutoTuner`). This is for
 planning: with ``"auto"`` settings, training measures all of this online and re-tunes.
 """
 
@@ -32,13 +32,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import tuning
-from .errors import StorageError, StorageUnavailableError, UnsupportedConfigurationError
-from .measure import PROBE_PREFIX, fit_write_cost, probe_storage
-from .options import CheckpointOptions
-from .retry import RetryPolicy
-from .storage import open_storage
-from .tuning import AutoTuner, Estimate, Measurements, Settings, TuningOptions, expected_loss
+from ..errors import StorageError, StorageUnavailableError, UnsupportedConfigurationError
+from ..options import CheckpointOptions
+from ..storage.fsspec_storage import open_storage
+from ..storage.retry import RetryPolicy
+from . import model as tuning
+from .meter import PROBE_PREFIX, fit_write_cost, probe_storage
+from .model import AutoTuner, Estimate, Measurements, Settings, TuningOptions, expected_loss
 
 __all__ = ["add_arguments", "advise", "render", "run"]
 

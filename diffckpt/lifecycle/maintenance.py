@@ -16,10 +16,10 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from ..runstore import RunStore
+from ..storage.fsspec_storage import Storage
 from .compaction import compact
 from .retention import RetentionPolicy, apply_gc, plan_gc
-from .storage import Storage
-from .store import RunStore
 
 __all__ = ["Maintenance"]
 

@@ -1,12 +1,12 @@
 """The ``diffckpt`` command: inspect, verify, export, prune and compact runs; plan settings.
 
 - ``diffckpt ls URL``: sessions, bases and segments.
-- ``diffckpt verify URL [--deep]``: every checksum and a replay (:mod:`diffckpt.cli_verify`).
+- ``diffckpt verify URL [--deep]``: every checksum and a replay (:mod:`diffckpt.cli.verify`).
 - ``diffckpt export URL --step N -o FILE``: a plain checkpoint (:mod:`diffckpt.export`).
 - ``diffckpt gc URL`` and ``diffckpt compact URL``: bounded storage and short restores
-  (:mod:`diffckpt.cli_lifecycle`).
+  (:mod:`diffckpt.cli.lifecycle`).
 - ``diffckpt tune URL --params N --step-time T``: probe storage, recommend settings
-  (:mod:`diffckpt.advice`).
+  (:mod:`diffckpt.tuning.advice`).
 
 Exit codes: 0 success, 1 damage or a failed operation, 2 usage errors and runs or steps that do
 not exist.
@@ -22,8 +22,16 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from . import advice, cli_lifecycle, cli_verify
-from .cli_common import (
+from ..codecs import codec_from_config
+from ..errors import CheckpointNotFoundError, DiffCkptError, UnsupportedConfigurationError
+from ..export import FORMATS, export_checkpoint
+from ..format import BaseName, decode_commit
+from ..replay import replay_progress
+from ..runstore import Inventory, RunStore
+from ..tuning import advice
+from . import lifecycle as cli_lifecycle
+from . import verify as cli_verify
+from .common import (
     bar,
     human,
     open_run,
@@ -34,12 +42,6 @@ from .cli_common import (
     throughput,
     when,
 )
-from .codecs import codec_from_config
-from .errors import CheckpointNotFoundError, DiffCkptError, UnsupportedConfigurationError
-from .export import FORMATS, export_checkpoint
-from .format import BaseName, decode_commit
-from .replay import replay_progress
-from .store import Inventory, RunStore
 
 __all__ = ["main"]
 

@@ -19,7 +19,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.spec import AbstractBufferedFile
 
-from .errors import CheckpointNotFoundError, DiffCkptError, StorageError
+from ..errors import CheckpointNotFoundError, DiffCkptError, StorageError
 from .retry import RetryingStorage, RetryPolicy, is_transient
 
 Buffer = bytes | memoryview

@@ -2,8 +2,8 @@
 
 :class:`OnlineTuning` is what a :class:`~diffckpt.CheckpointEngine` keeps for its
 ``every_n_steps``, ``write_batch`` and ``base_every_n_steps``. With no knob on ``"auto"`` it only
-holds the fixed settings. Otherwise it feeds a :class:`~diffckpt.measure.Meter` from the
-engine's timings, asks the pure :class:`~diffckpt.tuning.AutoTuner` at review steps, applies and
+holds the fixed settings. Otherwise it feeds a :class:`~diffckpt.tuning.meter.Meter` from the
+engine's timings, asks the pure :class:`~diffckpt.tuning.model.AutoTuner` at review steps, applies and
 records what it decides. The engine calls it; adapters reach it through the engine.
 """
 
@@ -17,12 +17,12 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .errors import StorageError
-from .measure import Meter, probe_storage
-from .options import CheckpointOptions
-from .store import tuning_path
-from .tuning import AUTO, AutoTuner, Decision, Measurements, Settings, describe
-from .writer import BackgroundWriter
+from ..errors import StorageError
+from ..options import CheckpointOptions
+from ..runstore import tuning_path
+from ..writer import BackgroundWriter
+from .meter import Meter, probe_storage
+from .model import AUTO, AutoTuner, Decision, Measurements, Settings, describe
 
 __all__ = ["REVIEW_BUDGET", "WARMUP_STEPS", "OnlineTuning"]
 

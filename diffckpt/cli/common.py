@@ -13,10 +13,10 @@ import warnings
 from datetime import datetime, timezone
 from typing import Any
 
-from .errors import CheckpointNotFoundError, UnsupportedConfigurationError
-from .retry import RetryPolicy
-from .storage import open_storage
-from .store import RUN_FILE, Inventory, RunStore
+from ..errors import CheckpointNotFoundError, UnsupportedConfigurationError
+from ..runstore import RUN_FILE, Inventory, RunStore
+from ..storage.fsspec_storage import open_storage
+from ..storage.retry import RetryPolicy
 
 __all__ = ["bar", "human", "open_run", "progress", "reemit", "split_target", "storage_options", "table", "throughput",
            "when"]

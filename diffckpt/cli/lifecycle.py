@@ -10,10 +10,10 @@ import argparse
 import json
 from typing import Any
 
-from . import advice
-from .cli_common import bar, human, open_run, progress, table, throughput
-from .compaction import compact
-from .retention import GcPlan, RetentionPolicy, apply_gc, plan_gc, recorded_policy
+from ..lifecycle.compaction import compact
+from ..lifecycle.retention import GcPlan, RetentionPolicy, apply_gc, plan_gc, recorded_policy
+from ..tuning import advice
+from .common import bar, human, open_run, progress, table, throughput
 
 __all__ = ["add_compact_arguments", "add_gc_arguments", "cmd_compact", "cmd_gc"]
 

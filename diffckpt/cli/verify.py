@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 
-from .cli_common import open_run, progress, reemit, throughput
-from .errors import DiffCkptError, UnsupportedConfigurationError
-from .format import BaseName, SegmentName, decode_segment
-from .loading import load_state, replay_plan
-from .storage import Storage
-from .store import Inventory, RestorePlan, RunStore, session_path
+from ..errors import DiffCkptError, UnsupportedConfigurationError
+from ..format import BaseName, SegmentName, decode_segment
+from ..loading import load_state, replay_plan
+from ..runstore import Inventory, RestorePlan, RunStore, session_path
+from ..storage.fsspec_storage import Storage
+from .common import open_run, progress, reemit, throughput
 
 __all__ = ["cmd_verify"]
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from .errors import CheckpointNotFoundError, CorruptRecordError
 from .format import FORMAT_VERSION, BaseName, SegmentName, decode_commit, decode_segment, sha256
-from .storage import Storage
+from .storage.fsspec_storage import Storage
 from .tree import unpack_tree
 
 __all__ = ["PREFETCH_BYTES", "PREFETCH_SEGMENTS", "RUN_FILE", "Inventory", "ReadStats", "RestorePlan",

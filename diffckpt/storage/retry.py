@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from .errors import DiffCkptError, StorageUnavailableError
+from ..errors import DiffCkptError, StorageUnavailableError
 
 __all__ = ["RetryPolicy", "RetryingStorage", "is_transient"]
 

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from .codecs import Codec, Payload
-from .pausable import Pausable
+from ..pausable import Pausable
+from .base import Codec, Payload
 
 __all__ = ["GradientCompressor", "check_codec", "clip_gradients"]
 
