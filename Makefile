@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test bench soak clean
+.PHONY: install demo lint test bench soak clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -17,7 +17,11 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python examples/demo_crash_resume.py
 
-test: $(STAMP)
+lint: $(STAMP)  # ruff with the rules in pyproject.toml, then mypy on the core
+	$(BIN)/ruff check .
+	$(BIN)/mypy diffckpt
+
+test: lint
 	$(BIN)/python -m pytest -q
 
 soak: $(STAMP)  # Lightning kill/resume soak, then 200 kill -9 trials on local disk and S3 with a tally

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import threading
-from types import FrameType, TracebackType
+from types import TracebackType
 from typing import Any
 
 import accelerate
@@ -28,14 +26,23 @@ from accelerate import Accelerator
 from diffckpt.capture import check_replayable
 from diffckpt.codecs import Codec
 from diffckpt.engine import CheckpointEngine
-from diffckpt.errors import CheckpointNotFoundError, DiffCkptError, IncompatibleCheckpointError
-from diffckpt.options import CheckpointOptions
-from diffckpt.rng import get_rng_state, set_rng_state
-from diffckpt.tuning.model import tuning_metrics
+from diffckpt.errors import DiffCkptError
+from diffckpt.options import (
+    DEFAULT_BASE_EVERY_N_STEPS,
+    DEFAULT_EVERY_N_STEPS,
+    DEFAULT_WRITE_BATCH,
+    Auto,
+    CheckpointOptions,
+    merge_options,
+)
+from diffckpt.preemption import StopSignal
+from diffckpt.replay import ReplayResult
+from diffckpt.rng import set_rng_state
 
 from .compression import GradientCompression
 from .dataloader import TrackedDataLoader
 from .save_state import SaveStateHooks
+from .state import StepState, load_accelerate_state
 from .support import check_supported, prepared_model
 
 __all__ = ["DiffCheckpointer"]
@@ -58,28 +65,30 @@ class DiffCheckpointer:
         write_batch: consecutive step records per segment (one write each).
         base_every_n_steps: a full base every this many steps, plus one when a session starts.
             Each of the three may be ``"auto"``: the auto-tuner measures the run and picks it
-            for ``tuning=diffckpt.TuningOptions(mtbf_s=..., max_overhead=..., rto_s=...)``;
-            its decisions go to ``accelerator.log`` as ``diffckpt/*`` when trackers are set up.
+            for ``options.tuning`` (:class:`diffckpt.TuningOptions`); its decisions go to
+            ``accelerator.log`` as ``diffckpt/*`` when trackers are set up.
+        options: every other setting (:class:`diffckpt.CheckpointOptions`); a knob above left at
+            its default takes its value from here.
         storage_options: fsspec options (credentials, endpoint).
         codec: compressed training (``diffckpt.codecs.TopK``, ``PowerSGD``, ``LowPrecision``),
             whose payloads are the diffs; see :class:`accelerate_ckpt.GradientCompression`.
-        **options: further :class:`diffckpt.CheckpointOptions` fields
-            (``fingerprint_every_n_steps``, ``max_pending_bytes``, ``flush_timeout_s``...).
+        **legacy: :class:`diffckpt.CheckpointOptions` fields as keywords, the spelling before
+            ``options=``: deprecated, still accepted with a ``DeprecationWarning``.
 
     Use it as a context manager (or call :meth:`close`) so that the last steps are flushed, also
     on exceptions; on SIGTERM it flushes at the next boundary and exits.
     """
 
     def __init__(self, accelerator: Accelerator, dirpath: str | os.PathLike[str], *, model: Any = None,
-                 every_n_steps: int | str = 1, write_batch: int | str = 8,
-                 base_every_n_steps: int | str | None = 500,
-                 storage_options: dict[str, Any] | None = None, codec: Codec | None = None,
-                 **options: Any) -> None:
+                 every_n_steps: int | Auto = DEFAULT_EVERY_N_STEPS, write_batch: int | Auto = DEFAULT_WRITE_BATCH,
+                 base_every_n_steps: int | Auto | None = DEFAULT_BASE_EVERY_N_STEPS,
+                 options: CheckpointOptions | None = None, storage_options: dict[str, Any] | None = None,
+                 codec: Codec | None = None, **legacy: Any) -> None:
         self.url = os.fspath(dirpath)
         check_supported(accelerator, self.url)
         self.accelerator = accelerator
-        self.options = CheckpointOptions(every_n_steps=every_n_steps, write_batch=write_batch,
-                                         base_every_n_steps=base_every_n_steps, **options)
+        self.options = merge_options(options, legacy, every_n_steps=every_n_steps, write_batch=write_batch,
+                                     base_every_n_steps=base_every_n_steps)
         self.storage_options = dict(storage_options or {})
         prepared = prepared_model(accelerator, model)
         self.module: torch.nn.Module = accelerator.unwrap_model(prepared, keep_torch_compile=False)
@@ -91,26 +100,20 @@ class DiffCheckpointer:
         for opt in self.optimizers:  # on every process, before anything is written
             check_replayable(opt)
         self.compression = None if codec is None else GradientCompression(
-            accelerator, codec, prepared, self.options.fingerprint_every_n_steps or 50)
+            accelerator, codec, prepared, self.options.codec_check_every)
         self.engine = CheckpointEngine(self.url, self.options, self.storage_options)
         self.step = 0  # optimizer steps attempted (synced ``step()`` calls, skipped ones included)
         self.durable_step: int | None = None
-        self.received_sigterm = False
         self._loaders: dict[int, TrackedDataLoader] = {}
         self._resume: dict[str, Any] | None = None  # this rank's RNG and loader positions to continue from
-        self._restored: tuple[int, Any] | None = None
         self._started = self._closed = False
-        self._recorded = self._state_step = self._base_step = -1
         self._saving = False  # inside accelerator.save_state(), which counts the save after the hook
         for po in self._prepared:
             self._wrap_optimizer(po)
         for sched in accelerator._schedulers:
             self._wrap_scheduler(sched)
         self._save_state = SaveStateHooks(self)
-        self._prev_sigterm: Any = None
-        if (threading.current_thread() is threading.main_thread()
-                and signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN):  # an ignored SIGTERM stays so
-            self._prev_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._sigterm = StopSignal()  # acted on at the next boundary: see _boundary
 
     # ------------------------------------------------------------------ identity
     @property
@@ -119,8 +122,9 @@ class DiffCheckpointer:
         return None if self.compression is None else self.compression.compressor
 
     @property
-    def is_writer(self) -> bool:
-        return self.accelerator.is_main_process
+    def received_sigterm(self) -> bool:
+        """Whether this process got SIGTERM (it stops at the next boundary, with every rank)."""
+        return self._sigterm.received
 
     @property
     def epoch(self) -> int:
@@ -184,97 +188,27 @@ class DiffCheckpointer:
         """Everything the last step changed is in place: commit it (and stop if told to)."""
         if self._closed:
             return
-        if self._stop_requested():
-            self._stop()
+        if self.engine.agree(self._sigterm.received):  # every rank stops at the same step
+            self.close(reason="stopped by SIGTERM", timeout=self.options.flush_timeout_s)
+            self._sigterm.exit()
         if not self._started:
             self._start()
-        elif self.step > self._recorded:
-            self._commit()
+        elif self.step > self.engine.recorded_step:
+            done = self.engine.commit(self.step, StepState(self))
+            if done.tuning and self.accelerator.trackers:
+                self.accelerator.log(done.tuning, step=self.step)
         self.engine.check()
 
     def _start(self) -> None:
-        """Open a writer session at the current step and write its base (every rank calls this)."""
-        step = self.step
-        restored = self._restored is not None and self._restored[0] == step
-        state = self._restored[1] if restored else self._take_state()  # type: ignore[index]
-        codec_states = self._codec_states()
+        """Start checkpointing at the current step: a session and its base (every rank calls this)."""
+        acc = self.accelerator
         self._started = True
-        self._recorded = self._state_step = self._base_step = step
-        self._restored = self._resume = None
-        if not self.is_writer:
-            self.engine.join(step)
-            return
-        acc = self.accelerator
-        self.engine.start(self.module, self.optimizers, step, meta={
-            "framework": f"accelerate {accelerate.__version__}", "torch": torch.__version__,
-            "distributed_type": str(acc.distributed_type), "world_size": acc.num_processes,
-            "mixed_precision": acc.mixed_precision,
-            "gradient_accumulation_steps": acc.gradient_accumulation_steps,
-            "split_batches": acc.split_batches}, compressor=self.compressor)
-        self._write_base(step, state, codec_states)
-
-    def _commit(self, force_state: bool = False, force_base: bool = False) -> None:
-        """Record the steps since the last record (every rank calls this: it gathers state)."""
-        step, engine = self.step, self.engine
-        if engine.review_due(step):
-            self._review(step)
-        wants_base = force_base or engine.wants_base(step)
-        wants_state = force_state or wants_base or engine.wants_state(step)
-        with engine.measuring_state():
-            state = self._take_state() if wants_state else None
-            codec_states = self._codec_states() if wants_base else None
-        self._recorded = step
-        if wants_state:
-            self._state_step = step
-        if wants_base:
-            self._base_step = step
-        if not self.is_writer:
-            engine.follow(step, wants_base)
-            return
-        engine.record_step(step, state)
-        if wants_base:
-            self._write_base(step, state, codec_states)
-
-    def _review(self, step: int) -> None:
-        """Let the auto-tuner review its settings: process 0 decides, every process adopts."""
-        engine = self.engine
-        decision = engine.review(step) if self.is_writer else None
-        if self.accelerator.num_processes > 1:
-            shared = [(engine.settings, engine.tuning.next_review) if self.is_writer else None]
-            torch.distributed.broadcast_object_list(shared, src=0)
-            if not self.is_writer:
-                engine.adopt(*shared[0])
-        if decision is not None and engine.tuning.last_review is not None and self.accelerator.trackers:
-            self.accelerator.log(tuning_metrics(*engine.tuning.last_review), step=step)
-
-    def _write_base(self, step: int, state: Any, codec_states: list[dict[str, Any]] | None) -> None:
-        self.engine.write_base(step, self.module.state_dict(), [o.state_dict() for o in self.optimizers],
-                               state, codec_states)
-
-    def _take_state(self) -> dict[str, Any] | None:
-        """What a resume needs besides parameters and optimizer state; on the writer only."""
-        acc = self.accelerator
-        mine = {"rng": get_rng_state(), "loaders": [t.position() for t in self._loaders.values()]}
-        ranks = self._gather(mine)
-        if not self.is_writer:
-            return None
-        return {"accelerate": {"step": acc.step, "schedulers": [s.state_dict() for s in acc._schedulers],
-                               "scaler": None if acc.scaler is None else acc.scaler.state_dict(),
-                               "project_iteration": acc.project_configuration.iteration + self._saving},
-                "ranks": ranks, "world_size": acc.num_processes}
-
-    def _codec_states(self) -> list[dict[str, Any]] | None:
-        """Every rank's codec state (error-feedback residuals differ per rank), on the writer."""
-        if self.compressor is None:
-            return None
-        return self._gather(self.compressor.state_dict())
-
-    def _gather(self, mine: Any) -> list[Any]:
-        if self.accelerator.num_processes == 1:
-            return [mine]
-        gathered: list[Any] | None = [None] * self.accelerator.num_processes if self.is_writer else None
-        torch.distributed.gather_object(mine, gathered, dst=0)
-        return gathered or []
+        self._resume = None
+        self.engine.begin(self.module, self.optimizers, self.step, StepState(self), compressor=self.compressor,
+                          meta={"framework": f"accelerate {accelerate.__version__}",
+                                "distributed_type": str(acc.distributed_type), "mixed_precision": acc.mixed_precision,
+                                "gradient_accumulation_steps": acc.gradient_accumulation_steps,
+                                "split_batches": acc.split_batches})
 
     # ------------------------------------------------------------------ restore
     def restore(self, step: int | str | None = "last") -> int:
@@ -299,74 +233,16 @@ class DiffCheckpointer:
             target = step
         else:
             raise ValueError(f"step must be 'last' or a step number, got {step!r}")
-        if self.accelerator.num_processes == 1:
-            return self._restore_target(target) or 0
-        # Every process must restore the same step (DDP does not broadcast parameters again), so
-        # process 0 resolves "last", falling back over damage, and the others follow.
-        decided: list[Any] = [None]
-        if self.is_writer:
-            try:
-                decided[0] = ("step", self._restore_target(target))
-            except BaseException as exc:
-                decided[0] = ("error", f"{type(exc).__name__}: {exc}")
-                torch.distributed.broadcast_object_list(decided, src=0)
-                raise
-        torch.distributed.broadcast_object_list(decided, src=0)
-        kind, value = decided[0]
-        if kind == "error":
-            raise DiffCkptError(f"restore failed on process 0 ({value}); no process was restored there")
-        if value is None:  # nothing to restore
-            return 0
-        return value if self.is_writer else self._restore_from(self.engine, value)
+        result = self.engine.resume(self.module, self.optimizers, target, compressor=self.compressor,
+                                    missing_ok=True)
+        return 0 if result is None else self._restored(result, self.url)
 
-    def _restore_target(self, target: int | None) -> int | None:
-        """Restore ``target`` (``None``: newest durable); ``None`` when "last" finds nothing."""
-        if target is None and not self.engine.store.is_run():
-            log.info("diffckpt: nothing to restore under %s; starting at step 0", self.url)
-            return None
-        try:
-            return self._restore_from(self.engine, target)
-        except CheckpointNotFoundError:
-            if target is not None:
-                raise
-            log.warning("diffckpt: %s holds no durable step yet (the run was stopped before its first "
-                        "base was written); starting at step 0", self.url)
-            return None
-
-    def _restore_from(self, engine: CheckpointEngine, step: int | None) -> int:
-        acc = self.accelerator
-        result = engine.restore(self.module, self.optimizers, step, compressor=self.compressor,
-                                rank=acc.process_index)
-        state = result.state
-        ours = state.get("accelerate") if isinstance(state, dict) else None
-        if ours is None:
-            raise IncompatibleCheckpointError(
-                f"step {result.step} under {engine.storage.url} was not written by accelerate_ckpt "
-                "(no Accelerate state); restore it with the integration that wrote it (the model and "
-                "optimizers were already replayed and must be restored again)")
-        if len(ours["schedulers"]) != len(acc._schedulers):
-            raise IncompatibleCheckpointError(
-                f"the checkpoint has {len(ours['schedulers'])} LR schedulers, this run prepared "
-                f"{len(acc._schedulers)}; prepare the same schedulers as the checkpointed run (the "
-                "model and optimizers were already restored and must be restored again)")
-        for sched, sd in zip(acc._schedulers, ours["schedulers"]):
-            sched.load_state_dict(sd)
-        if acc.scaler is not None and ours["scaler"]:
-            acc.scaler.load_state_dict(ours["scaler"])
-        acc.step = ours["step"]
-        if acc.project_configuration.automatic_checkpoint_naming:
-            acc.project_configuration.iteration = ours["project_iteration"]
-        ranks = state["ranks"]
-        if len(ranks) != acc.num_processes:
-            log.warning("diffckpt: the run was trained on %d processes and resumes on %d; the LR "
-                        "schedule and each rank's data position depend on the process count, so "
-                        "rank 0's position is used and the resumed run will not be bit-exact",
-                        len(ranks), acc.num_processes)
-        self._arm(ranks[acc.process_index] if len(ranks) == acc.num_processes else ranks[0])
-        self.step = self._recorded = result.step
-        self._restored = (result.step, state)
-        log.info("diffckpt: restored step %d from %s (base %d + %d replayed steps)", result.step,
-                 engine.storage.url, result.base_step, result.replayed)
+    def _restored(self, result: ReplayResult, url: str) -> int:
+        """Load what Accelerate keeps besides the model and optimizers; return the step."""
+        ranks = load_accelerate_state(self.accelerator, result, url)
+        # On another process count the LR schedule and data positions differ: rank 0's is used.
+        self._arm(self.engine.own(ranks) or ranks[0])
+        self.step = result.step
         return result.step
 
     def _arm(self, mine: dict[str, Any]) -> None:
@@ -387,60 +263,27 @@ class DiffCheckpointer:
     # ------------------------------------------------- accelerator.save_state / load_state
     def base_now(self) -> int | None:
         """For ``save_state``: make the current step a base and wait until it is durable (every
-        rank calls this); return the durable step on the writer, ``None`` elsewhere."""
+        rank calls this); return the durable step on the main process, ``None`` elsewhere."""
         self._saving = True
         try:
-            self._restorable_now(base=True)
+            if not self._started:
+                self._start()
+            else:
+                self.engine.make_restorable(self.step, StepState(self), base=True)
         finally:
             self._saving = False
-        return self.engine.flush() if self.is_writer else None
-
-    def _restorable_now(self, base: bool) -> None:
-        """Make the current step restorable (and a base if ``base``); every rank calls this."""
-        if not self._started:
-            if base:
-                self._start()
-            return
-        if self.step > self._recorded:
-            self._commit(force_state=True, force_base=base)
-        elif self._state_step != self.step or (base and self._base_step != self.step):
-            # Recorded already, without state (every_n_steps > 1): a base carries the state.
-            state, codec_states = self._take_state(), self._codec_states()
-            self._base_step = self._state_step = self.step
-            if self.is_writer:
-                self._write_base(self.step, state, codec_states)
-            else:
-                self.engine.follow(self.step, True)
+        return self.engine.flush() if self.engine.is_main_process else None
 
     def restore_reference(self, url: str, step: int) -> int:
         """Restore ``step`` of the run at ``url`` (this run root or another one)."""
         if self._started:
             raise DiffCkptError("load_state() must be called before training starts when the "
                                 "checkpoint was saved with a DiffCheckpointer")
-        engine = self.engine if url.rstrip("/") == self.url.rstrip("/") else CheckpointEngine(
-            url, storage_options=self.storage_options)
-        return self._restore_from(engine, step)
+        result = self.engine.resume(self.module, self.optimizers, step, dirpath=url, compressor=self.compressor)
+        assert result is not None  # an explicit step is restored or raises
+        return self._restored(result, url)
 
     # ---------------------------------------------------------------- shutdown
-    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
-        # Only a flag: the main thread may be inside the engine, holding the writer's locks.
-        self.received_sigterm = True
-
-    def _stop_requested(self) -> bool:
-        stop = self.received_sigterm
-        if self.accelerator.num_processes > 1:  # every rank stops at the same step
-            flag = torch.tensor([int(stop)], device=self.accelerator.device)  # NCCL wants CUDA
-            torch.distributed.all_reduce(flag)
-            stop = bool(flag.item())
-        return stop
-
-    def _stop(self) -> None:
-        previous = self._prev_sigterm
-        self.close(reason="stopped by SIGTERM", timeout=self.options.flush_timeout_s)
-        if callable(previous):  # the handler SIGTERM had before us, then exit if it did not
-            previous(signal.SIGTERM, None)
-        raise SystemExit(128 + signal.SIGTERM)
-
     def close(self, reason: str = "end of training", timeout: float | None = None,
               record: bool = True) -> int | None:
         """Record the current step as a restorable one, flush and stop writing; return the
@@ -456,21 +299,19 @@ class DiffCheckpointer:
         if self._closed:
             return self.durable_step
         try:
-            if record:
-                self._restorable_now(base=False)
+            if record and self._started:
+                self.engine.make_restorable(self.step, StepState(self))
         finally:
             self._closed = True
             self._save_state.remove()
-            if self._prev_sigterm is not None and threading.current_thread() is threading.main_thread():
-                signal.signal(signal.SIGTERM, self._prev_sigterm)
-                self._prev_sigterm = None
-            if self.engine.started:  # also when recording failed: what is queued still gets written
-                self.durable_step = self.engine.close(timeout)
-                (log.info if timeout is None else log.warning)(
-                    "diffckpt: %s; durable up to step %s in %s", reason, self.durable_step, self.url)
+            self._sigterm.uninstall()
+            # Also when recording failed: what is queued still gets written.
+            durable = self.engine.end(reason, timeout)
+            if self.engine.is_main_process:
+                self.durable_step = durable
         return self.durable_step
 
-    def __enter__(self) -> DiffCheckpointer:  # noqa: PYI034 (Python 3.10 has no typing.Self)
+    def __enter__(self) -> DiffCheckpointer:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,

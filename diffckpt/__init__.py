@@ -26,7 +26,7 @@ from .lifecycle.retention import RetentionPolicy, collect_garbage
 from .loading import load_state
 from .options import CheckpointOptions
 from .replay import ReplayResult
-from .storage.fsspec_storage import FsspecStorage, Storage, open_storage
+from .storage import FsspecStorage, Storage, open_storage
 from .storage.retry import RetryPolicy
 from .tuning.model import TuningOptions
 

@@ -1,328 +1,387 @@
-"""The framework-free engine that adapters drive: capture, bases, flush, restore.
+"""The engine: checkpointing a training job of one or many processes, and who writes.
 
-Call order in training: :meth:`CheckpointEngine.start` once the optimizers exist, then after each
-training step :meth:`~CheckpointEngine.record_step` (and :meth:`~CheckpointEngine.write_base` when
-:meth:`~CheckpointEngine.wants_base` says so), finally :meth:`~CheckpointEngine.close`. To resume,
-:meth:`~CheckpointEngine.restore` replays onto the caller's model and optimizers.
+An adapter (Lightning, Accelerate, a plain loop under ``torch.distributed``) calls these
+:class:`CheckpointEngine` methods on *every* process, at the same points of training:
+
+- :meth:`~CheckpointEngine.resume` to restore, before training,
+- :meth:`~CheckpointEngine.begin` when training starts,
+- :meth:`~CheckpointEngine.commit` once per optimizer step, once everything the step changes has
+  changed (the scheduler stepped, evaluation ran),
+- :meth:`~CheckpointEngine.make_restorable` when the current step must become restorable now
+  (a framework's own save, the end of training),
+- :meth:`~CheckpointEngine.end` when training stops.
+
+The engine decides which processes write (rank 0 today) and does every exchange between ranks
+itself through its :class:`~diffckpt.collective.Collective`: gathering each rank's RNG and data
+position at restorable steps and its codec state at bases, sending rank 0's tuning decisions, and
+agreeing on the step to restore. What is framework-specific reaches it through a
+:class:`FrameworkState`, which it asks only when a step is restorable. The single-writer calls it
+is built on (:class:`~diffckpt.recorder.Recorder`: ``start``, ``record_step``, ``write_base``,
+``close``, ``restore``) remain available for a single-process loop.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import logging
 import os
-import socket
-import time
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
-from .capture import StepCapture, clone_tree, group_hyperparams, tree_nbytes
 from .codecs.compressor import GradientCompressor
-from .errors import DiffCkptError
-from .lifecycle.maintenance import Maintenance
+from .collective import Collective, default_collective
+from .errors import CheckpointNotFoundError, DiffCkptError
 from .options import CheckpointOptions
-from .policies import IntervalPolicy, StepContext
-from .replay import ReplayResult, replay
-from .runstore import RunStore
-from .storage.fsspec_storage import Storage, open_storage
-from .storage.retry import unwrap
-from .tuning.model import Decision, Settings
-from .tuning.online import OnlineTuning
-from .writer import BackgroundWriter
+from .recorder import Recorder
+from .replay import ReplayResult
+from .storage import Storage
+from .tuning.model import AUTO, tuning_metrics
 
-__all__ = ["CheckpointEngine"]
+__all__ = ["CheckpointEngine", "Committed", "FrameworkState"]
 
 log = logging.getLogger("diffckpt")
 
 
-class CheckpointEngine:
+class FrameworkState(Protocol):
+    """What a framework adds to a restorable step, built only when the engine asks for it."""
+
+    def rank_state(self) -> Any:
+        """This process's own part: its RNG states and data position (called on every rank)."""
+
+    def state(self, ranks: list[Any]) -> Any:
+        """The step's framework state (loops, schedulers, scaler...), holding ``ranks``, every
+        rank's :meth:`rank_state` in rank order (called on the process that writes)."""
+
+
+@dataclass(frozen=True)
+class Committed:
+    """What :meth:`CheckpointEngine.commit` did with a step."""
+
+    step: int
+    restorable: bool  # recorded with its state: a step training can resume from
+    base: bool  # a full base was written at it
+    tuning: dict[str, float] = field(default_factory=dict)  # a tuner decision's metrics, to log
+
+
+@dataclass
+class _Clock:
+    """The steps a coordinated session has reached, the same on every rank."""
+
+    recorded: int = -1
+    restorable: int = -1
+    base: int = -1
+
+    def at(self, step: int, restorable: bool, base: bool) -> None:
+        self.recorded = step
+        if restorable:
+            self.restorable = step
+        if base:
+            self.base = step
+
+
+class CheckpointEngine(Recorder):
     """Differential checkpointing of one model and its optimizers into one run root.
 
     Args:
         dirpath: local path, fsspec URL (``memory://``, ``s3://``, ...) or a :class:`Storage`.
         options: capture, batching and base settings.
         storage_options: passed to fsspec (credentials, endpoint, ...).
+        collective: the processes training together; ``None``: the default ``torch.distributed``
+            process group when there is one, else this process alone.
     """
 
     def __init__(self, dirpath: str | os.PathLike[str] | Storage, options: CheckpointOptions | None = None,
-                 storage_options: dict[str, Any] | None = None) -> None:
-        self.options = options or CheckpointOptions()
-        self.storage = open_storage(dirpath, retry=self.options.retry, **(storage_options or {}))
-        self.store = RunStore(self.storage)
-        self.policy = IntervalPolicy()
-        self.writer: BackgroundWriter | None = None
-        self.capture: StepCapture | None = None
-        self.module: torch.nn.Module | None = None
-        self._prev_step = 0
-        self._last_base = 0
-        self._buffer_names: list[str] = []
-        self._durable: int | None = None
-        self.tuning = OnlineTuning(self.options)
-        self.maintenance: Maintenance | None = None
+                 storage_options: dict[str, Any] | None = None, *, collective: Collective | None = None) -> None:
+        super().__init__(dirpath, options, storage_options)
+        self._collective = collective
+        self._compressor: GradientCompressor | None = None
+        self._restored: tuple[int, Any] | None = None  # (step, state) that resume() replayed
+        self._clock: _Clock | None = None  # kept after end(): what the last session reached
+        self._open = False  # between begin() and end()
+        self._waiting: list[tuple[int, Callable[[], Any], str]] = []  # when_restorable() until a commit
+
+    # ----------------------------------------------------------------- processes
+    @property
+    def collective(self) -> Collective:
+        """The processes training together: the one given, else the default process group when
+        it spans several processes (looked up at each use: it may be set up after the engine)."""
+        return self._collective if self._collective is not None else default_collective()
 
     @property
-    def storage_is_local(self) -> bool:
-        """Whether the run root is on a local file system."""
-        return bool(getattr(unwrap(self.storage), "local", False))
+    def rank(self) -> int:
+        return self.collective.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.collective.world_size
+
+    @property
+    def is_main_process(self) -> bool:
+        """Whether this process writes what exists once per run (sessions, references)."""
+        return self.collective.rank == 0
+
+    def agree(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any process (every rank calls): e.g. a stop request that
+        one rank received, so that every rank stops at the same step."""
+        return self.collective.any(flag)
+
+    @property
+    def recorded_step(self) -> int:
+        """The newest step :meth:`commit` recorded in this session (-1 before :meth:`begin`)."""
+        return -1 if self._clock is None else self._clock.recorded
+
+    @property
+    def restorable_step(self) -> int:
+        """The newest step of this session recorded with its state (-1 before :meth:`begin`)."""
+        return -1 if self._clock is None else self._clock.restorable
 
     # ------------------------------------------------------------------ training
-    @property
-    def started(self) -> bool:
-        return self.writer is not None
+    def begin(self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
+              step: int, source: FrameworkState, *, meta: dict[str, Any] | None = None,
+              compressor: GradientCompressor | None = None) -> None:
+        """Start checkpointing training that continues from ``step`` (every rank calls).
 
-    def start(self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer], step: int,
-              meta: dict[str, Any] | None = None, compressor: GradientCompressor | None = None) -> int:
-        """Open a writer session continuing from ``step``; return its generation number.
-
-        The caller writes the starting base right after (``write_base(step, ...)``). With a
-        ``compressor`` (compressed training), steps are recorded as its payloads.
+        The writing process opens a session and writes its starting base: the state
+        :meth:`resume` restored when ``step`` is the restored step, else ``source``'s. ``meta``
+        goes into the session record (framework, strategy...).
         """
-        if self.writer is not None:
-            raise DiffCkptError("CheckpointEngine.start() called twice; close() the running session first")
-        self.capture = StepCapture(optimizers, compressor)
-        params = dict(module.named_parameters())
-        self._buffer_names = [k for k in module.state_dict() if k not in params]
-        names = {id(p): n for n, p in params.items()}
-        body = {"options": dataclasses.asdict(self.options), "host": socket.gethostname(), "pid": os.getpid(),
-                "optimizer_params": [[[names.get(id(p), "") for p in g["params"]] for g in o.param_groups]
-                                     for o in optimizers],
-                "resumed_from": step,
-                "optimizers": [f"{type(o).__module__}.{type(o).__qualname__}" for o in optimizers],
-                "parameters": [[k, list(p.shape)] for k, p in params.items()],
-                "codec": None if compressor is None else compressor.codec.config(), **(meta or {})}
-        if self.tuning.restore_timing is not None:
-            load_s, replay_s = self.tuning.restore_timing
-            body["restore_timing"] = {"base_load_s": load_s, "replay_step_s": replay_s}
-        gen = self.store.start_session(body)
-        self.module = module
-        self.writer = BackgroundWriter(self.store, gen, self.options, after=step,
-                                       write_batch=self.tuning.settings.write_batch)
-        self.tuning.start(step, self.writer, self._base_bytes_now)
-        self._prev_step = self._last_base = step
-        o, writer = self.options, self.writer
-        if o.compact_every_n_steps is not None or o.retention is not None:
-            self.maintenance = Maintenance(
-                self.storage, lambda: (writer.durable_step, self._last_base, writer.stats.bases),
-                compact_every_n_steps=o.compact_every_n_steps, retention=o.retention, device=o.compact_device)
-        return gen
+        if self._open:
+            raise DiffCkptError("begin() called twice; end() the running session first")
+        restored = self._restored if self._restored is not None and self._restored[0] == step else None
+        self._restored = None
+        ranks = None if restored is not None else self.collective.gather(source.rank_state())
+        codec_states = self._gather_codec_states(compressor)
+        self._compressor = compressor
+        self._clock, self._open = _Clock(step, step, step), True
+        if not self.is_main_process:
+            self.join(step)
+            return
+        meta = {"torch": torch.__version__, "world_size": self.world_size, **(meta or {})}
+        self.start(module, optimizers, step, meta=meta, compressor=compressor)
+        state = restored[1] if restored is not None else source.state(ranks or [])
+        self._base_now(step, state, codec_states)
 
-    def _context(self, step: int) -> StepContext:
-        s = self.tuning.settings
-        return StepContext(step, self._last_base, s.every_n_steps, s.base_every_n_steps,
-                           self.options.fingerprint_every_n_steps)
+    def commit(self, step: int, source: FrameworkState, *, force_state: bool = False,
+               force_base: bool = False) -> Committed:
+        """Record the optimizer steps up to ``step`` (every rank calls, at the same steps).
 
-    # ------------------------------------------------------------------- tuning
-    @property
-    def settings(self) -> Settings:
-        """``every_n_steps``, ``write_batch`` and ``base_every_n_steps`` in force (the tuner's
-        choice for those on ``"auto"``)."""
-        return self.tuning.settings
-
-    def review_due(self, step: int) -> bool:
-        """Whether the auto-tuner reviews its settings at ``step`` (the same on every DDP rank):
-        the writer then calls :meth:`review`, the other ranks :meth:`adopt` what it chose."""
-        return self.tuning.review_due(step)
-
-    def review(self, step: int) -> Decision | None:
-        """Let the auto-tuner review the measurements and apply what it decides (writer only)."""
-        return self.tuning.review(step)
-
-    def adopt(self, settings: Settings, next_review: int) -> None:
-        """Take the writer's settings and its next review step (DDP ranks other than 0)."""
-        self.tuning.adopt(settings, next_review)
-
-    def measuring_state(self) -> contextlib.AbstractContextManager[None]:
-        """Time the adapter's work to build a restorable step's state, for the tuner."""
-        return self.tuning.measuring_state()
-
-    def _base_bytes_now(self) -> int:
-        """Bytes of model and optimizer state a base would copy now."""
-        if self.module is None or self.capture is None:
-            return 0
-        return tree_nbytes(self.module.state_dict()) + sum(
-            tree_nbytes(o.state_dict()["state"]) for o in self.capture.optimizers)
-
-    def wants_state(self, step: int) -> bool:
-        """Whether ``step`` is a restorable point, so the caller should pass its state."""
-        return self.policy.wants_state(self._context(step))
-
-    def wants_base(self, step: int) -> bool:
-        return self.policy.wants_base(self._context(step))
-
-    def join(self, step: int) -> None:
-        """Keep the clock of a process that does not write (DDP ranks other than 0) from a
-        session that starts at ``step``, as :meth:`start` does for the writer."""
-        self._prev_step = self._last_base = step
-        self.tuning.join(step)
-
-    def follow(self, step: int, base: bool) -> None:
-        """Keep the step/base clock of a process that does not write (DDP ranks other than 0), so
-        that its decisions match the writer's."""
-        self._prev_step = step
+        Reviews the tuner's settings when due, asks ``source`` for the state when the step is
+        restorable (or ``force_state``), and writes a base when one is due (or ``force_base``).
+        """
+        clock = self._require_clock()
+        if step <= clock.recorded:
+            raise DiffCkptError(f"step {step} committed after step {clock.recorded}; steps must increase")
+        tuning = self._review_everywhere(step) if self.review_due(step) else {}
+        base = force_base or self.wants_base(step)
+        restorable = force_state or base or self.wants_state(step)
+        with self.measuring_state():
+            ranks = self.collective.gather(source.rank_state()) if restorable else None
+            codec_states = self._gather_codec_states(self._compressor) if base else None
+            state = source.state(ranks or []) if restorable and self.is_main_process else None
+        clock.at(step, restorable, base)
+        if not self.is_main_process:
+            self.follow(step, base)
+            return Committed(step, restorable, base, tuning)
+        self.record_step(step, state)
         if base:
-            self._last_base = step
+            self._base_now(step, state, codec_states)
+        waiting, self._waiting = self._waiting, []
+        for saved, fn, name in waiting:
+            if saved == step and not restorable:
+                raise DiffCkptError(
+                    f"a checkpoint was saved at step {step} ({name}), which is not a restorable step "
+                    f"with every_n_steps={self._every_n()}; save checkpoints only at multiples of "
+                    "every_n_steps")
+            self._after_durable_data(saved, fn, name)
+        return Committed(step, restorable, base, tuning)
 
-    def record_step(self, step: int, state: Any | None) -> None:
-        """Record what the optimizer steps since the previous call consumed.
+    def make_restorable(self, step: int, source: FrameworkState, *, base: bool = False) -> None:
+        """Make ``step`` restorable now, and a base if ``base`` (every rank calls).
 
-        Args:
-            step: the step counter after these optimizer steps (strictly increasing).
-            state: framework state at this step (loops, schedulers, RNG...), or ``None`` if this
-                step is not a restorable point. Copied here; tensors are cloned.
+        An uncommitted step is committed with its state; a step committed without state (with
+        ``every_n_steps`` above 1) gets a base, which carries the state.
         """
-        writer, capture, module = self._require()
-        if step <= self._prev_step:
-            raise DiffCkptError(f"step {step} recorded after step {self._prev_step}; steps must increase")
-        entered = time.perf_counter()
-        copy_s, update_s = capture.copy_s, capture.update_s
-        events = capture.take()
-        buffers = dict(module.named_buffers())
-        record: dict[str, Any] = {
-            "step": step,
-            "prev": self._prev_step,
-            "events": events,
-            "param_groups": [group_hyperparams(o) for o in capture.optimizers],
-            "buffers": {k: buffers[k].detach().clone() for k in self._buffer_names if k in buffers},
-            "state": None,
-        }
-        step_bytes = tree_nbytes(record)
-        state_start = time.perf_counter()
-        if state is not None:
-            record["state"] = clone_tree(state)
-        state_s = time.perf_counter() - state_start
-        # Not state cost: fingerprints come every fingerprint_every_n_steps whatever the tuner picks.
-        if state is not None and self.policy.wants_fingerprint(self._context(step)):
-            record["fingerprint_params"] = [p.detach().clone() for p in module.parameters()]
-        # The step's part was counted above; add only what was attached since (no second walk).
-        nbytes = step_bytes + tree_nbytes(record["state"]) + tree_nbytes(record.get("fingerprint_params", []))
-        stalled = writer.stats.stall_seconds
-        writer.put_record(record, nbytes)
-        self._prev_step = step
-        if self.maintenance is not None:
-            self.maintenance.poke()
-        self.tuning.note_record(entered, time.perf_counter(), copy_s=copy_s, update_s=update_s,
-                                state_s=None if state is None else state_s,
-                                stalled=writer.stats.stall_seconds - stalled, record_bytes=step_bytes)
+        clock = self._require_clock()
+        if step > clock.recorded:
+            self.commit(step, source, force_state=True, force_base=base)
+            return
+        if clock.restorable == step and (not base or clock.base == step):
+            return
+        with self.measuring_state():
+            ranks = self.collective.gather(source.rank_state())
+            codec_states = self._gather_codec_states(self._compressor)
+        clock.at(step, True, True)
+        if not self.is_main_process:
+            self.follow(step, True)
+            return
+        self._base_now(step, source.state(ranks or []), codec_states)
 
-    def write_base(self, step: int, model_state: dict[str, Any], optimizer_states: list[dict[str, Any]],
-                   state: Any, codec_states: list[dict[str, torch.Tensor]] | None = None) -> None:
-        """Queue a full snapshot at ``step`` (the step's record must already be recorded).
+    def end(self, reason: str = "end of training", timeout: float | None = None) -> int | None:
+        """Flush and close the session; return the durable step (any rank may call, alone).
 
-        ``codec_states`` is every rank's codec state (:meth:`GradientCompressor.state_dict`), in
-        rank order, for a codec that keeps state.
+        The writing process logs how far durability got, as a warning when ``timeout`` bounds
+        the flush (an interrupted run).
         """
-        writer, _, module = self._require()
-        start = time.perf_counter()
-        tree = clone_tree({"model": model_state, "optimizers": optimizer_states, "state": state})
-        if codec_states and any(codec_states):
-            tree["codec"] = clone_tree(list(codec_states))
-        names = [n for n, _ in module.named_parameters()]
-        missing = [n for n in names if n not in tree["model"]]
-        if missing:
-            raise DiffCkptError(f"model state for the base lacks parameters {missing[:3]}")
-        stalled = writer.stats.stall_seconds
-        writer.put_base(step, tree, [tree["model"][n] for n in names], tree_nbytes(tree))
-        self._last_base = step
-        done = time.perf_counter()
-        self.tuning.note_base(done - start - (writer.stats.stall_seconds - stalled), tree_nbytes(tree), done)
-
-    def flush(self, timeout: float | None = None) -> int | None:
-        """Block until everything captured is durable; return the durable step.
-
-        Raises:
-            TimeoutError: not durable within ``timeout`` seconds (writing goes on).
-            StorageUnavailableError: storage is in an outage and ``on_storage_error="raise"``.
-        """
-        return self.writer.flush(timeout) if self.writer else None
-
-    def check(self) -> None:
-        """Raise a background error on the calling thread, if one happened."""
-        if self.writer:
-            self.writer.check()
-
-    @property
-    def durable_step(self) -> int | None:
-        """Newest step the current (or last) session made durable; still valid after
-        :meth:`close` and after a background write failed, when ``close()`` raised instead."""
-        return self.writer.durable_step if self.writer else self._durable
-
-    def close(self, timeout: float | None = None) -> int | None:
-        """Flush, stop the writer and remove the capture hooks; return the durable step.
-
-        A background error is raised here if it was not raised before, or again if it was; the
-        session is closed either way and :attr:`durable_step` tells how far it got.
-
-        Args:
-            timeout: give up flushing after this many seconds, logging which steps are durable
-                and which are lost (for preemption: see ``CheckpointOptions.flush_timeout_s``).
-                ``None`` waits as ``on_storage_error`` says.
-        """
-        durable = None
-        try:
-            if self.writer:
-                durable = self.writer.close(timeout)
-        finally:
-            if self.maintenance is not None:
-                # A normal end: a last retention pass over what is now durable. Interrupted
-                # (a timeout given): no more work, and no wait for a compaction under way (it
-                # commits nothing half done; what it leaves is removed as a leftover).
-                self.maintenance.close(self.options.flush_timeout_s if timeout is None else 0.0,
-                                       final=timeout is None)
-                self.maintenance = None
-            if self.capture:
-                self.capture.remove()
-            if self.writer:
-                self._durable = self.writer.durable_step
-            self.writer = self.capture = None
+        self._open, self._compressor = False, None
+        started = self.started
+        durable = self.close(timeout) if started else self.durable_step
+        if started:
+            (log.info if timeout is None else log.warning)("diffckpt: %s; durable up to step %s in %s",
+                                                           reason, durable, self.storage.url)
+        waiting, self._waiting = self._waiting, []
+        for saved, fn, name in waiting:
+            if started and durable is not None and saved <= durable:
+                fn()
+            else:
+                log.warning("diffckpt: %s was not written: step %d %s", name, saved,
+                            "never became durable" if started else "was never recorded (save while training)")
         return durable
 
-    def _require(self) -> tuple[BackgroundWriter, StepCapture, torch.nn.Module]:
-        if self.writer is None or self.capture is None or self.module is None:
-            raise DiffCkptError("CheckpointEngine.start() must be called before recording steps")
-        return self.writer, self.capture, self.module
+    # ---------------------------------------------------------- framework saves
+    def when_restorable(self, step: int, fn: Callable[[], Any], *, name: str, wait: bool = False) -> None:
+        """Run ``fn()`` for a framework's save of ``step`` under ``name`` (a reference file...):
+        on the main process, in order after the step's own data, and only for a step training
+        can resume from. Other ranks skip it.
 
-    # ------------------------------------------------------------------- restore
-    def restore(self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
-                step: int | None = None, verify: bool = True, compressor: GradientCompressor | None = None,
-                rank: int = 0) -> ReplayResult:
-        """Load ``step`` (``None``: newest durable) into ``module`` and ``optimizers`` by replay.
-
-        With a ``compressor``, its codec state is restored too: rank ``rank``'s state saved with
-        the base when ``step`` is a base step (exact end to end), else the state the replayed
-        payloads carry (error-feedback residuals restart from zero).
-
-        For ``None``, damage (a missing or corrupt segment, an unusable base) makes it restore the
-        newest step that can still be rebuilt, with a warning; for an explicit step it raises.
-        Older bases of the same session stand in for a damaged one (see
-        :meth:`RunStore.open_plan`).
+        A step not committed yet (or ``wait``: the framework saved the current step before the
+        adapter committed it) waits for its commit; at :meth:`end`, what still waits runs if its
+        step became durable, else it is dropped with a warning.
 
         Raises:
-            CheckpointNotFoundError: nothing durable under the run root, or ``step`` is not durable.
-            CorruptRecordError: an explicit step cannot be rebuilt, or no base can be loaded.
-            IncompatibleCheckpointError: the checkpoint was written for another model or optimizer;
-                ``module`` and ``optimizers`` are then left untouched.
-            ReplayMismatchError: replay diverged from the fingerprints recorded in training;
-                ``module`` and ``optimizers`` are then partly replayed and must not be used.
+            DiffCkptError: ``step`` was committed without its state (``every_n_steps`` above
+                1), or no session is open and ``step`` is not durable.
         """
-        start = time.perf_counter()
-        plan, info, base = self.store.open_plan(step)
-        loaded = time.perf_counter()
-        ctx = self.capture.paused() if self.capture else contextlib.nullcontext()
-        with ctx, compressor.paused() if compressor else contextlib.nullcontext():
-            result = replay(self.store, plan, module, optimizers, verify=verify, loaded=(info, base))
-        replayed = time.perf_counter() - loaded
-        self.tuning.note_restore(loaded - start, replayed / result.replayed if result.replayed else None)
-        log.info("diffckpt: restored step %d from base %d (read in %.2f s): replayed %d steps in "
-                 "%.2f s (%.1f steps/s, %.1f MiB/s)", result.step, result.base_step, loaded - start,
-                 result.replayed, result.replay_s, result.steps_per_s, result.read_mib_per_s)
-        if compressor is not None:
-            if result.codec_config != compressor.codec.config():  # another codec, or none, trained
-                compressor.restore(None, {})
-            else:
-                states = result.codec_states if result.step == result.base_step else None
-                compressor.restore(states[rank] if states and rank < len(states) else None,
-                                   result.codec_payloads)
-        return result
+        if not self.is_main_process:
+            return
+        if wait or step > self.recorded_step:
+            self._waiting.append((step, fn, name))
+            return
+        if step > self.restorable_step:
+            raise DiffCkptError(
+                f"cannot save {name}: step {step} is not a restorable step with every_n_steps="
+                f"{self._every_n()}; save checkpoints only at multiples of every_n_steps")
+        self._after_durable_data(step, fn, name)
 
+    def _after_durable_data(self, step: int, fn: Callable[[], Any], name: str) -> None:
+        if not self.started:
+            durable = self.durable_step
+            if durable is None or step > durable:
+                raise DiffCkptError(f"cannot save {name}: step {step} is not durable in {self.storage.url} "
+                                    f"(durable up to {durable}); save while checkpointing runs")
+        self.after_queued(fn)
+
+    def _every_n(self) -> str:
+        n = self.settings.every_n_steps
+        if self.options.every_n_steps == AUTO:
+            return (f"'auto' (now {n}; with checkpoints saved at fixed steps, give every_n_steps a "
+                    "divisor of their interval instead of 'auto')")
+        return str(n)
+
+    def after_queued(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn()`` on the main process once everything recorded before is written (on the
+        writer thread, in order), or at once when no session is open; other ranks skip it."""
+        if not self.is_main_process:
+            return
+        if self.writer is not None:
+            self.writer.call(fn)
+        else:
+            fn()
+
+    # ------------------------------------------------------------------- restore
+    def resume(self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
+               step: int | None = None, *, dirpath: str | None = None,
+               compressor: GradientCompressor | None = None, missing_ok: bool = False) -> ReplayResult | None:
+        """Restore ``step`` (``None``: the newest durable one) on every rank (every rank calls).
+
+        Rank 0 resolves the step, falling back over damage for ``None``, and every rank replays
+        that same step onto its ``module`` and ``optimizers``; with a ``compressor``, each rank
+        gets its own codec state. ``dirpath`` restores from another run root. With
+        ``missing_ok``, ``None`` is returned when ``step`` is ``None`` and nothing is durable yet.
+        A later :meth:`begin` at the restored step writes the restored state as its base.
+
+        Raises:
+            the errors of :meth:`~diffckpt.CheckpointEngine.restore`, on rank 0; the other ranks
+            raise :class:`DiffCkptError` saying that rank 0 failed.
+        """
+        engine = self
+        if dirpath is not None and str(dirpath).rstrip("/") != self.storage.url.rstrip("/"):
+            engine = type(self)(dirpath, storage_options=self.storage_options)
+        coll = self.collective
+        if coll.world_size == 1:
+            return self._restore_here(engine, module, optimizers, step, compressor, missing_ok)
+        # Every rank must continue from the same step (DDP does not broadcast parameters again):
+        # rank 0 resolves it, falling back over damage, and the others replay exactly that one.
+        if self.is_main_process:
+            try:
+                result = self._restore_here(engine, module, optimizers, step, compressor, missing_ok)
+            except BaseException as exc:
+                coll.broadcast(("error", f"{type(exc).__name__}: {exc}"))
+                raise
+            coll.broadcast(("step", None if result is None else result.step))
+            return result
+        kind, value = coll.broadcast(None)
+        if kind == "error":
+            raise DiffCkptError(f"restore failed on process 0 ({value}); no process was restored there")
+        if value is None:
+            return None
+        return self._restore_here(engine, module, optimizers, value, compressor, False)
+
+    def own(self, ranks: list[Any]) -> Any:
+        """This rank's entry of a per-rank list recorded at a step, or ``None`` (with a warning)
+        when the run was recorded on another number of processes."""
+        if len(ranks) == self.world_size:
+            return ranks[self.rank]
+        log.warning("diffckpt: the run was trained on %d processes and resumes on %d; each rank's data "
+                    "position and RNG depend on the process count and cannot be carried over, so rank "
+                    "0's are used (the resumed run will not be bit-exact)", len(ranks), self.world_size)
+        return None
+
+    # ------------------------------------------------------------------ internals
+    def _require_clock(self) -> _Clock:
+        if not self._open or self._clock is None:
+            raise DiffCkptError("begin() must be called before commit() or make_restorable()")
+        return self._clock
+
+    def _gather_codec_states(self, compressor: GradientCompressor | None) -> list[Any] | None:
+        """Every rank's codec state (error-feedback residuals differ per rank), on rank 0."""
+        return None if compressor is None else self.collective.gather(compressor.state_dict())
+
+    def _base_now(self, step: int, state: Any, codec_states: list[Any] | None) -> None:
+        _, capture, module = self._require()
+        self.write_base(step, module.state_dict(), [o.state_dict() for o in capture.optimizers], state,
+                        codec_states)
+
+    def _review_everywhere(self, step: int) -> dict[str, float]:
+        """Rank 0's tuner reviews the settings; every rank adopts what it chose."""
+        decision = self.review(step) if self.is_main_process else None
+        if self.world_size > 1:
+            settings, next_review = self.collective.broadcast((self.settings, self.tuning.next_review))
+            if not self.is_main_process:
+                self.adopt(settings, next_review)
+        if decision is None or self.tuning.last_review is None:
+            return {}
+        return tuning_metrics(*self.tuning.last_review)
+
+    def _restore_here(self, engine: CheckpointEngine, module: torch.nn.Module,
+                      optimizers: list[torch.optim.Optimizer], step: int | None,
+                      compressor: GradientCompressor | None, missing_ok: bool) -> ReplayResult | None:
+        """Replay ``step`` from ``engine``'s run root in this process (``None`` if missing_ok and
+        nothing is durable yet) and keep its state for :meth:`begin`."""
+        url = engine.storage.url
+        if step is None and missing_ok and not engine.run_exists():
+            log.info("diffckpt: nothing to restore under %s; starting at step 0", url)
+            return None
+        try:
+            result = engine.restore(module, optimizers, step, compressor=compressor, rank=self.rank)
+        except CheckpointNotFoundError:
+            if step is not None or not missing_ok:
+                raise
+            log.warning("diffckpt: %s holds no durable step yet (the run was stopped before its first "
+                        "base was written); starting at step 0", url)
+            return None
+        self._restored = (result.step, result.state)
+        log.info("diffckpt: restored step %d from %s (base %d + %d replayed steps)", result.step, url,
+                 result.base_step, result.replayed)
+        return result

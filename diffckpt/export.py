@@ -17,9 +17,10 @@ import numpy as np
 import safetensors.torch
 import torch
 
+from .deprecation import renamed_kwargs
 from .errors import UnsupportedConfigurationError
 from .loading import load_state
-from .storage.fsspec_storage import FsspecStorage, Storage
+from .storage import FsspecStorage, Storage
 
 __all__ = ["FORMATS", "export_checkpoint"]
 
@@ -27,17 +28,19 @@ FORMATS = ("lightning", "torch", "safetensors")
 _BY_EXTENSION = {".ckpt": "lightning", ".safetensors": "safetensors"}
 
 
-def export_checkpoint(url: str | os.PathLike[str] | Storage, output: str | os.PathLike[str],
+@renamed_kwargs(url="dirpath")
+def export_checkpoint(dirpath: str | os.PathLike[str] | Storage, output: str | os.PathLike[str],
                       step: int | None = None, *, format: str | None = None, device: str = "cpu",
                       storage_options: dict[str, Any] | None = None, verify: bool = True,
                       allow_modules: tuple[str, ...] = ("torch.",)) -> dict[str, Any]:
-    """Rebuild ``step`` (newest durable if ``None``) of the run at ``url`` and write it to ``output``.
+    """Rebuild ``step`` (newest durable if ``None``) of the run at ``dirpath`` and write it to ``output``.
 
     The file is written whole or not at all (through :meth:`FsspecStorage.write`), so an
     interrupted export never leaves a truncated checkpoint behind.
 
     Args:
-        url: run root (local path, fsspec URL or :class:`Storage`).
+        dirpath: run root (local path, fsspec URL or :class:`Storage`); ``url=`` is a deprecated
+            spelling.
         output: file to write, a local path or an fsspec URL.
         format: ``"lightning"``, ``"torch"`` or ``"safetensors"``; by default from ``output``'s
             extension: ``.ckpt`` lightning, ``.safetensors`` safetensors, anything else torch.
@@ -55,7 +58,7 @@ def export_checkpoint(url: str | os.PathLike[str] | Storage, output: str | os.Pa
     output = os.fspath(output)
     fmt = _format_for(output, format)
     directory, name = _split_output(output)  # usage errors before a replay that may take minutes
-    result = load_state(url, step, device=device, storage_options=storage_options, verify=verify,
+    result = load_state(dirpath, step, device=device, storage_options=storage_options, verify=verify,
                         allow_modules=allow_modules)
     data = _serialize(result, fmt)
     FsspecStorage(directory).write(name, data)

@@ -176,13 +176,15 @@ def decode_segment(data: bytes, name: str = "segment") -> tuple[dict[str, Any], 
     (hlen,) = struct.unpack_from("<I", data, 8)
     try:
         header = json.loads(data[12 : 12 + hlen])
-        entries = header["records"]
-    except (ValueError, KeyError, TypeError):
-        raise CorruptRecordError(f"{name}: segment header is damaged or truncated") from None
+    except (ValueError, RecursionError):
+        header = None
+    entries = header.get("records") if isinstance(header, dict) else None
+    if not isinstance(entries, list) or not all(_is_entry(e) for e in entries):
+        raise CorruptRecordError(f"{name}: segment header is damaged or truncated")
     if header.get("format") != FORMAT_VERSION:
         raise CorruptRecordError(f"{name}: segment format {header.get('format')} is not supported")
     problem = None
-    expected_size = 12 + hlen + sum(int(e["length"]) for e in entries) + _DIGEST
+    expected_size = 12 + hlen + sum(e["length"] for e in entries) + _DIGEST
     if len(data) != expected_size or hashlib.sha256(data[: 12 + hlen]).digest() != data[-_DIGEST:]:
         problem = f"{name}: segment checksum does not match (truncated or modified)"
     if header.get("compression") not in ("zstd", "none"):
@@ -201,11 +203,20 @@ def decode_segment(data: bytes, name: str = "segment") -> tuple[dict[str, Any], 
             raw = decompressor.decompress(blob, max_output_size=entry["raw_length"]) if decompressor else blob
             if len(raw) != entry["raw_length"]:
                 raise CorruptRecordError(f"length {len(raw)} instead of {entry['raw_length']}")
-            records.append(unpack_tree(raw))
+            record = unpack_tree(raw)
+            if not isinstance(record, dict) or not _is_int(record.get("step")):
+                raise CorruptRecordError("not a step record")
+            records.append(record)
         except (CorruptRecordError, zstandard.ZstdError) as exc:
             problem = f"{name}: record for step {entry['step']} cannot be decoded: {exc}"
             break
     return header, records, problem
+
+
+def _is_entry(entry: Any) -> bool:
+    """Whether a segment header's record entry has what :func:`decode_segment` reads."""
+    return (isinstance(entry, dict) and _is_int(entry.get("step")) and isinstance(entry.get("sha256"), str)
+            and all(_is_int(entry.get(k)) and entry[k] >= 0 for k in ("length", "raw_length")))
 
 
 def encode_commit(info: dict[str, Any]) -> bytes:
@@ -222,10 +233,41 @@ def base_commit(step: int, gen: int, fingerprint: str, parts: list[Buffer], **ex
 
 
 def decode_commit(data: bytes, name: str) -> dict[str, Any]:
-    """Parse a COMMIT marker, raising :class:`CorruptRecordError` if it is damaged."""
+    """Parse a COMMIT marker, raising :class:`CorruptRecordError` if it is damaged.
+
+    Everything readers index is checked here, explicitly (``assert`` is gone under ``python -O``),
+    so that a damaged marker is a :class:`CorruptRecordError`, which the fallback to an older
+    base catches, and never a ``KeyError`` or ``TypeError`` later.
+    """
     try:
         info = json.loads(data)
-        assert isinstance(info, dict) and info["format"] == FORMAT_VERSION and "files" in info
-    except (ValueError, KeyError, AssertionError):
-        raise CorruptRecordError(f"{name}: COMMIT marker is damaged or of an unknown format") from None
+    except (ValueError, RecursionError):  # not JSON (UnicodeDecodeError is a ValueError)
+        info = None
+    problem = _commit_problem(info)
+    if problem is not None:
+        raise CorruptRecordError(f"{name}: COMMIT marker is damaged or of an unknown format ({problem})")
     return info
+
+
+def _commit_problem(info: Any) -> str | None:
+    """What is wrong with a parsed COMMIT marker, or ``None``."""
+    if not isinstance(info, dict):
+        return "not a JSON object"
+    if not _is_int(info.get("format")) or info["format"] != FORMAT_VERSION:
+        return f"format {info.get('format')!r}, expected {FORMAT_VERSION}"
+    for key in ("step", "gen"):
+        if not _is_int(info.get(key)) or info[key] < 0:
+            return f"{key} {info.get(key)!r} is not a step or session number"
+    files = info.get("files")
+    state = files.get("state.safetensors") if isinstance(files, dict) else None
+    if not isinstance(state, dict):
+        return "files lists no state.safetensors"
+    if not _is_int(state.get("size")) or state["size"] < 0 or not isinstance(state.get("sha256"), str):
+        return "state.safetensors has no size and sha256"
+    if info.get("fingerprint") is not None and not isinstance(info["fingerprint"], str):
+        return "fingerprint is not a string"
+    return None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

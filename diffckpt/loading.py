@@ -13,10 +13,11 @@ from typing import Any
 
 import torch
 
+from .deprecation import renamed_kwargs
 from .errors import UnsupportedConfigurationError
 from .replay import ReplayResult, ReplayTarget, replay
 from .runstore import RestorePlan, RunStore
-from .storage.fsspec_storage import Storage, open_storage
+from .storage import Storage, open_storage
 
 __all__ = ["load_state", "replay_plan"]
 
@@ -33,10 +34,12 @@ def _optimizer_class(qualname: str, allow_modules: tuple[str, ...]) -> type[torc
     return cls
 
 
-def load_state(url: str | os.PathLike[str] | Storage, step: int | None = None, *, device: str = "cpu",
+@renamed_kwargs(url="dirpath")
+def load_state(dirpath: str | os.PathLike[str] | Storage, step: int | None = None, *, device: str = "cpu",
                storage_options: dict[str, Any] | None = None, verify: bool = True,
                allow_modules: tuple[str, ...] = ("torch.",)) -> dict[str, Any]:
-    """Return the state at ``step`` (newest durable if ``None``) as plain tensors.
+    """Return the state at ``step`` (newest durable if ``None``) of the run at ``dirpath`` (path,
+    fsspec URL or :class:`Storage`; ``url=`` is a deprecated spelling) as plain tensors.
 
     Damage is handled as in :meth:`CheckpointEngine.restore`: for ``None``, the newest step that
     can be rebuilt, with a warning; for an explicit step, an error.
@@ -46,7 +49,7 @@ def load_state(url: str | os.PathLike[str] | Storage, step: int | None = None, *
         "state": framework state recorded at that step, "base_step", "replayed", "result": the
         :class:`ReplayResult` (fingerprints checked, codec payloads, replay time)}``.
     """
-    store = RunStore(open_storage(url, **(storage_options or {})))
+    store = RunStore(open_storage(dirpath, **(storage_options or {})))
     plan, info, base = store.open_plan(step)
     return replay_plan(store, plan, device=device, verify=verify, allow_modules=allow_modules,
                        loaded=(info, base))

@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from .lifecycle.retention import RetentionPolicy
 from .storage.retry import RetryPolicy
 from .tuning.model import AUTO, TuningOptions
 
-__all__ = ["CheckpointOptions"]
+__all__ = ["DEFAULT_BASE_EVERY_N_STEPS", "DEFAULT_EVERY_N_STEPS", "DEFAULT_FINGERPRINT_EVERY_N_STEPS",
+           "DEFAULT_WRITE_BATCH", "Auto", "CheckpointOptions", "merge_options"]
+
+Auto = Literal["auto"]
+"""A knob left to the auto-tuner."""
+
+# The one place these defaults are written: the options below, the adapters' keywords and the
+# tuner's starting point all read them from here.
+DEFAULT_EVERY_N_STEPS = 1
+DEFAULT_WRITE_BATCH = 8
+DEFAULT_BASE_EVERY_N_STEPS = 500
+DEFAULT_FINGERPRINT_EVERY_N_STEPS = 50
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,15 +69,15 @@ class CheckpointOptions:
 
     TUNABLE = ("every_n_steps", "write_batch", "base_every_n_steps")
 
-    every_n_steps: int | str = 1
-    write_batch: int | str = 8
-    base_every_n_steps: int | str | None = 500
-    fingerprint_every_n_steps: int | None = 50
+    every_n_steps: int | Auto = DEFAULT_EVERY_N_STEPS
+    write_batch: int | Auto = DEFAULT_WRITE_BATCH
+    base_every_n_steps: int | Auto | None = DEFAULT_BASE_EVERY_N_STEPS
+    fingerprint_every_n_steps: int | None = DEFAULT_FINGERPRINT_EVERY_N_STEPS
     max_pending_bytes: int = 256 << 20
-    compression: str = "auto"
+    compression: Literal["auto", "zstd", "none"] = "auto"
     compression_level: int = 1
     retry: RetryPolicy = field(default_factory=RetryPolicy)
-    on_storage_error: str = "block"
+    on_storage_error: Literal["block", "raise"] = "block"
     flush_timeout_s: float = 30.0
     tuning: TuningOptions = field(default_factory=TuningOptions)
     retention: RetentionPolicy | None = None
@@ -105,3 +119,36 @@ class CheckpointOptions:
     def auto(self) -> bool:
         """Whether any knob is left to the auto-tuner."""
         return any(getattr(self, name) == AUTO for name in self.TUNABLE)
+
+    @property
+    def codec_check_every(self) -> int:
+        """How often compressed training checks its payloads bitwise against what the optimizer
+        consumed: at the fingerprint interval, or the default one when fingerprints are off."""
+        return self.fingerprint_every_n_steps or DEFAULT_FINGERPRINT_EVERY_N_STEPS
+
+
+def merge_options(options: CheckpointOptions | None, legacy: dict[str, Any], *,
+                  every_n_steps: int | Auto, write_batch: int | Auto,
+                  base_every_n_steps: int | Auto | None) -> CheckpointOptions:
+    """The options of an adapter built with the three knobs as keywords and ``options``.
+
+    A knob left at its default takes the value in ``options``. ``legacy`` holds further
+    :class:`CheckpointOptions` fields given as keyword arguments, the spelling before
+    ``options=`` existed: still accepted, with a :class:`DeprecationWarning` naming the new one.
+    """
+    if legacy:
+        fields = {f.name for f in dataclasses.fields(CheckpointOptions)}
+        unknown = sorted(set(legacy) - fields)
+        if unknown:
+            raise TypeError(f"unexpected keyword arguments {unknown}; the options are the fields of "
+                            "diffckpt.CheckpointOptions, passed as options=CheckpointOptions(...)")
+        spelled = ", ".join(f"{k}={v!r}" for k, v in sorted(legacy.items()))
+        warnings.warn(f"passing {', '.join(sorted(legacy))} as keyword arguments is deprecated and will be "
+                      f"removed in the next release; pass options=diffckpt.CheckpointOptions({spelled})",
+                      DeprecationWarning, stacklevel=3)
+    base = dataclasses.replace(options, **legacy) if options is not None else CheckpointOptions(**legacy)
+    knobs = {"every_n_steps": every_n_steps, "write_batch": write_batch, "base_every_n_steps": base_every_n_steps}
+    defaults = {"every_n_steps": DEFAULT_EVERY_N_STEPS, "write_batch": DEFAULT_WRITE_BATCH,
+                "base_every_n_steps": DEFAULT_BASE_EVERY_N_STEPS}
+    given: dict[str, Any] = {k: v for k, v in knobs.items() if v != defaults[k]}
+    return dataclasses.replace(base, **given) if given else base

@@ -1,8 +1,9 @@
-"""The run layout on storage: sessions, bases, segments, and how a restorable chain is found.
+"""The run layout on storage: sessions, bases, segments, and how a restore is planned and read.
 
 Readers trust only committed objects: a base exists once its COMMIT marker does, a segment once
 its single object does. A chain is a committed base followed by segments whose ``after`` equals
-the previous ``last``; it ends at the first gap.
+the previous ``last``; it ends at the first gap (:class:`~diffckpt.inventory.Inventory`, which
+this module re-exports, classifies a listing and finds the chains).
 """
 
 from __future__ import annotations
@@ -11,18 +12,18 @@ import json
 import logging
 import time
 import warnings
-from collections import deque
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import CheckpointNotFoundError, CorruptRecordError
 from .format import FORMAT_VERSION, BaseName, SegmentName, decode_commit, decode_segment, sha256
-from .storage.fsspec_storage import Storage
+from .inventory import Inventory
+from .prefetch import Fetched, Prefetcher
+from .storage import Storage
 from .tree import unpack_tree
 
-__all__ = ["PREFETCH_BYTES", "PREFETCH_SEGMENTS", "RUN_FILE", "Inventory", "ReadStats", "RestorePlan",
+__all__ = ["PREFETCH_BYTES", "PREFETCH_SEGMENTS", "RUN_FILE", "ReadStats", "RestorePlan",
            "RunStore", "session_path", "tuning_path"]
 
 log = logging.getLogger("diffckpt")
@@ -49,39 +50,6 @@ def session_path(gen: int) -> str:
 def tuning_path(gen: int) -> str:
     """Where session ``gen`` keeps the auto-tuner's decisions (rewritten on each change)."""
     return f"sessions/g{gen:06d}.tuning.json"
-
-
-@dataclass
-class Inventory:
-    """One listing of a run root, classified."""
-
-    sessions: dict[int, dict[str, Any]] = field(default_factory=dict)
-    bases: list[BaseName] = field(default_factory=list)
-    segments: list[SegmentName] = field(default_factory=list)
-    sizes: dict[str, int] = field(default_factory=dict)
-
-    def chain(self, base: BaseName) -> list[SegmentName]:
-        """Segments that continue ``base`` without a gap, oldest first."""
-        by_after: dict[int, SegmentName] = {}
-        for seg in self.segments:
-            if seg.gen == base.gen:
-                current = by_after.get(seg.after)
-                if current is None or seg.last > current.last:
-                    by_after[seg.after] = seg
-        out = []
-        step = base.step
-        while step in by_after:
-            out.append(by_after[step])
-            step = by_after[step].last
-        return out
-
-    def newest_step(self, gen: int) -> int | None:
-        """Newest durable step of session ``gen`` (``None`` if it has no committed base)."""
-        ends = [b.step if not (c := self.chain(b)) else c[-1].last for b in self.bases if b.gen == gen]
-        return max(ends) if ends else None
-
-    def gens(self) -> list[int]:
-        return sorted({b.gen for b in self.bases} | set(self.sessions), reverse=True)
 
 
 @dataclass
@@ -123,22 +91,22 @@ class RunStore:
     # ----------------------------------------------------------------- listing
     def inventory(self, listing: dict[str, int] | None = None) -> Inventory:
         """Classify a listing of the run root (``listing``: one already taken, else list now)."""
-        inv = Inventory()
         listing = self.storage.list("") if listing is None else listing
-        inv.sizes = listing
+        sessions: dict[int, dict[str, Any]] = {}
+        bases: list[BaseName] = []
+        segments: list[SegmentName] = []
         for path in listing:
             if (seg := SegmentName.parse(path)) is not None:
-                inv.segments.append(seg)
+                segments.append(seg)
             elif (base := BaseName.parse(path)) is not None:
-                inv.bases.append(base)
+                bases.append(base)
             elif path.startswith("sessions/g") and path.endswith(".json"):
                 try:
-                    inv.sessions[int(path[len("sessions/g") : -len(".json")])] = {}
+                    sessions[int(path[len("sessions/g") : -len(".json")])] = {}
                 except ValueError:
                     continue
-        inv.bases.sort()
-        inv.segments.sort()
-        return inv
+        # Complete before the Inventory exists: its chains are cached from these lists.
+        return Inventory(sessions, sorted(bases), sorted(segments), listing)
 
     def is_run(self) -> bool:
         return self.storage.exists(RUN_FILE)
@@ -152,7 +120,7 @@ class RunStore:
             raise CheckpointNotFoundError(
                 f"{self.storage.url}/{path} is missing; the session's steps cannot be checked "
                 "against the model and optimizers. Restore a step of another session") from None
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON (or absurdly nested): damaged
             meta = None
         if not isinstance(meta, dict):
             raise CorruptRecordError(
@@ -181,7 +149,7 @@ class RunStore:
         """The auto-tuner's decisions in session ``gen``, oldest first (empty without tuning)."""
         try:
             body = json.loads(self.storage.read(tuning_path(gen)))
-        except (CheckpointNotFoundError, ValueError):
+        except (CheckpointNotFoundError, ValueError, RecursionError):
             return []
         decisions = body.get("decisions") if isinstance(body, dict) else None
         return decisions if isinstance(decisions, list) else []
@@ -195,7 +163,7 @@ class RunStore:
             return None
         try:
             meta = json.loads(data)
-        except ValueError:
+        except (ValueError, RecursionError):
             meta = None
         return meta if isinstance(meta, dict) else {"gen": gen + 1}
 
@@ -228,8 +196,7 @@ class RunStore:
             if step is None:
                 plans = []
                 for base in bases:
-                    chain = inv.chain(base)
-                    plans.append(RestorePlan(base, chain, chain[-1].last if chain else base.step, True))
+                    plans.append(RestorePlan(base, inv.chain(base), inv.chain_end(base), True))
                 plans.sort(key=lambda p: p.target, reverse=True)  # stable: newest base first
                 return _sized(plans, inv)
             found = [p for p in (self._plan_for(inv, b, step) for b in bases) if p is not None]
@@ -307,17 +274,8 @@ class RunStore:
 
     def durable_ranges(self, inv: Inventory) -> str:
         """Durable steps per session as merged ranges, e.g. ``g1: 0..5, 10..13``."""
-        parts = []
-        for gen in sorted({b.gen for b in inv.bases}):
-            spans: list[list[int]] = []
-            for base in sorted(b for b in inv.bases if b.gen == gen):
-                chain = inv.chain(base)
-                end = chain[-1].last if chain else base.step
-                if spans and base.step <= spans[-1][1]:
-                    spans[-1][1] = max(spans[-1][1], end)
-                else:
-                    spans.append([base.step, end])
-            parts.append(f"g{gen}: " + ", ".join(f"{lo}..{hi}" for lo, hi in spans))
+        parts = [f"g{gen}: " + ", ".join(f"{lo}..{hi}" for lo, hi in inv.durable_spans(gen))
+                 for gen in sorted({b.gen for b in inv.bases})]
         return "; ".join(parts) or "none"
 
     # ---------------------------------------------------------------- reading
@@ -342,7 +300,7 @@ class RunStore:
 
     def read_records(self, plan: RestorePlan, *, prefetch: int | None = None,
                      stats: ReadStats | None = None
-                     ) -> Iterator[tuple[dict[str, Any] | None, str | None]]:
+                     ) -> Generator[tuple[dict[str, Any] | None, str | None], None, None]:
         """Yield ``(record, None)`` for each record after the base up to the target, in order.
 
         On damage it yields ``(None, problem)`` once and stops: the caller decides whether
@@ -356,8 +314,9 @@ class RunStore:
         early cancels the reads not yet started. ``stats``, if given, adds up what was read.
         """
         expected_after = plan.base.step
-        ahead = _Prefetcher(self._fetch, plan.through_target(), plan.sizes,
-                            PREFETCH_SEGMENTS if prefetch is None else prefetch)
+        ahead = Prefetcher(self._fetch, plan.through_target(), plan.sizes,
+                           PREFETCH_SEGMENTS if prefetch is None else prefetch,
+                           max_bytes=PREFETCH_BYTES, workers=PREFETCH_WORKERS)
         try:
             for seg in ahead.segments:
                 waited = time.perf_counter()
@@ -394,14 +353,11 @@ class RunStore:
         finally:
             ahead.close()
 
-    def _fetch(self, seg: SegmentName) -> _Fetched:
+    def _fetch(self, seg: SegmentName) -> Fetched:
         """Read and decode one segment (on a prefetch thread, or the caller's)."""
         data = self.storage.read(seg.path)
         header, records, problem = decode_segment(data, seg.path)
         return header, records, problem, len(data)
-
-
-_Fetched = tuple[dict[str, Any], list[Any], str | None, int]  # header, records, problem, bytes
 
 
 def _sized(plans: list[RestorePlan], inv: Inventory) -> list[RestorePlan]:
@@ -409,63 +365,3 @@ def _sized(plans: list[RestorePlan], inv: Inventory) -> list[RestorePlan]:
     for plan in plans:
         plan.sizes = {s.path: inv.sizes.get(s.path, 0) for s in plan.segments}
     return plans
-
-
-class _Prefetcher:
-    """Reads and decodes segments in order, up to ``depth`` of them (and :data:`PREFETCH_BYTES`)
-    ahead of the one the caller takes, in background threads.
-
-    Replay spends its time in ``optimizer.step()``; without this, each segment's read, checksums
-    and zstd would add to it. Results are taken strictly in order and an error raised by a read
-    reaches the caller only when it takes that segment, so what the caller sees does not depend
-    on ``depth``. With ``depth`` 0, or a single segment, each is read on the caller's thread.
-    """
-
-    def __init__(self, fetch: Callable[[SegmentName], _Fetched], segments: list[SegmentName],
-                 sizes: dict[str, int], depth: int) -> None:
-        self.fetch = fetch
-        self.segments = segments
-        self.sizes = sizes
-        self.depth = max(0, depth) if len(segments) > 1 else 0
-        self.next = 0  # index of the next segment to submit (or, without threads, to read)
-        self.pending: deque[tuple[int, Future[_Fetched]]] = deque()  # (bytes, read) in order
-        self.taking: Future[_Fetched] | None = None  # the read the caller waits for
-        self.pool: ThreadPoolExecutor | None = None
-
-    def take(self) -> _Fetched:
-        """The next segment, read and decoded; what the read raised, raised here."""
-        if self.depth == 0:
-            self.next += 1
-            return self.fetch(self.segments[self.next - 1])
-        self._fill()
-        _, self.taking = self.pending.popleft()
-        self._fill()  # the window moves on while the caller waits for, then replays, this one
-        return self.taking.result()
-
-    def _fill(self) -> None:
-        if self.pool is None:
-            self.pool = ThreadPoolExecutor(min(self.depth, PREFETCH_WORKERS),
-                                           thread_name_prefix="diffckpt-prefetch")
-        ahead = sum(n for n, _ in self.pending)
-        while self.next < len(self.segments) and len(self.pending) < self.depth:
-            seg = self.segments[self.next]
-            size = self.sizes.get(seg.path, 0)
-            if self.pending and ahead + size > PREFETCH_BYTES:
-                return
-            self.pending.append((size, self.pool.submit(self.fetch, seg)))
-            ahead += size
-            self.next += 1
-
-    def close(self) -> None:
-        """Cancel the reads not started. Without a read running, the idle threads are joined
-        (they end at once); a running read is not waited for: it ends on its own, unused."""
-        if self.pool is None:
-            return
-        reads = [future for _, future in self.pending]
-        if self.taking is not None:
-            reads.append(self.taking)
-        for future in reads:
-            future.cancel()
-        running = any(not future.done() for future in reads)  # e.g. Ctrl-C while waiting for one
-        self.pool.shutdown(wait=not running, cancel_futures=True)
-        self.pending.clear()

@@ -171,7 +171,7 @@ def pack_parts(obj: Any) -> list[bytes | memoryview]:
         nbytes = t.numel() * t.element_size()
         entries.append(f"{json.dumps(name)}:{{\"dtype\":\"{_DTYPE_NAMES[t.dtype]}\",\"shape\":"
                        f"{json.dumps(list(t.shape), separators=(',', ':'))},\"data_offsets\":[{offset},{offset + nbytes}]}}")
-        views.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()) if nbytes else b"")
+        views.append(t.reshape(-1).view(torch.uint8).numpy().data if nbytes else b"")
         offset += nbytes
     header = "{" + ",".join([f'"__metadata__":{{{json.dumps(_META_KEY)}:{json.dumps(meta)}}}', *entries]) + "}"
     head = header.encode()
@@ -193,7 +193,7 @@ def _read_header(buf: bytes | memoryview) -> tuple[dict[str, Any], int]:
         raise CorruptRecordError("safetensors header runs past the end of the buffer (truncated)")
     try:
         header = json.loads(bytes(buf[8 : 8 + size]))
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
         raise CorruptRecordError(f"safetensors header is not valid JSON: {exc}") from None
     if not isinstance(header, dict):
         raise CorruptRecordError("safetensors header is not a JSON object")
@@ -202,7 +202,14 @@ def _read_header(buf: bytes | memoryview) -> tuple[dict[str, Any], int]:
 
 def read_metadata(buf: bytes | memoryview) -> dict[str, str]:
     """Return the metadata of a safetensors buffer without touching its tensors."""
-    return _read_header(buf)[0].get("__metadata__") or {}
+    return _metadata(_read_header(buf)[0])
+
+
+def _metadata(header: dict[str, Any]) -> dict[str, str]:
+    meta = header.get("__metadata__") or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise CorruptRecordError("safetensors metadata is not a map of strings")
+    return meta
 
 
 _SAFETENSORS_DTYPES = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
@@ -264,7 +271,7 @@ def _load_tensors(buf: bytes | memoryview, header: dict[str, Any], start: int) -
 def unpack_tree(buf: bytes | memoryview) -> Any:
     """Deserialize a buffer written by :func:`pack_tree` (``bytes`` or a view of them)."""
     header, start = _read_header(buf)
-    meta = header.get("__metadata__") or {}
+    meta = _metadata(header)
     if _META_KEY not in meta:
         raise CorruptRecordError("buffer has no diffckpt state tree in its metadata")
     try:

@@ -32,6 +32,7 @@ from .runstore import RunStore
 from .storage.retry import RetryingStorage
 from .tree import pack_parts
 from .tuning.meter import Meter
+from .units import format_bytes
 
 __all__ = ["BackgroundWriter", "WriterStats"]
 
@@ -194,8 +195,8 @@ class BackgroundWriter:
             while self._queue and self._queued_bytes + nbytes > self.options.max_pending_bytes:
                 if self._error is not None:
                     break
-                self._raise_if_outage(f"the checkpoint buffer is full ({self._queued_bytes / 2**20:.1f} MiB, "
-                                      f"max_pending_bytes {self.options.max_pending_bytes / 2**20:.1f} MiB)")
+                self._raise_if_outage(f"the checkpoint buffer is full ({format_bytes(self._queued_bytes)}, "
+                                      f"max_pending_bytes {format_bytes(self.options.max_pending_bytes)})")
                 if start is None:
                     start = time.monotonic()
                     since = self._outage_since
@@ -203,10 +204,10 @@ class BackgroundWriter:
                              f"durable up to step {self.durable_step}" if since is not None
                              else "storage is slower than training")
                     log.warning(
-                        "diffckpt: writer is behind (%.1f MiB queued, limit %.1f MiB): %s; training waits "
+                        "diffckpt: writer is behind (%s queued, limit %s): %s; training waits "
                         "for storage and nothing is dropped. Raise max_pending_bytes, write_batch or "
-                        "every_n_steps, or use faster storage.", self._queued_bytes / 2**20,
-                        self.options.max_pending_bytes / 2**20, cause)
+                        "every_n_steps, or use faster storage.", format_bytes(self._queued_bytes),
+                        format_bytes(self.options.max_pending_bytes), cause)
                 self._cond.wait(0.5)
             if start is not None:
                 self.stats.stall_seconds += time.monotonic() - start
@@ -347,8 +348,8 @@ class BackgroundWriter:
         if self._outage_since is not None:
             lasted = time.monotonic() - self._outage_since
             self.stats.outage_seconds += lasted
-            log.warning("diffckpt: storage at %s is back after %.1fs; %.1f MiB of buffered steps drain now",
-                        self.store.storage.url, lasted, self._queued_bytes / 2**20)
+            log.warning("diffckpt: storage at %s is back after %.1fs; %s of buffered steps drain now",
+                        self.store.storage.url, lasted, format_bytes(self._queued_bytes))
             self._outage_since = None
 
     def _check_fence(self) -> None:
@@ -369,10 +370,11 @@ class BackgroundWriter:
             self._outage_logged = now
             self.stats.outages += 1
             log.warning("diffckpt: storage outage while committing %s: %s. Durable up to step %s; training goes "
-                        "on while buffered steps fit in max_pending_bytes (%.1f MiB), then %s. Retrying until "
-                        "storage is back.", path, exc, self.durable_step, self.options.max_pending_bytes / 2**20,
+                        "on while buffered steps fit in max_pending_bytes (%s), then %s. Retrying until "
+                        "storage is back.", path, exc, self.durable_step, format_bytes(self.options.max_pending_bytes),
                         "waits" if self.options.on_storage_error == "block" else "raises")
         elif now - self._outage_logged >= 60:
             self._outage_logged = now
-            log.warning("diffckpt: storage still failing after %.0fs (%s); durable up to step %s, %.1f MiB buffered",
-                        now - self._outage_since, self._outage_error, self.durable_step, self._queued_bytes / 2**20)
+            log.warning("diffckpt: storage still failing after %.0fs (%s); durable up to step %s, %s buffered",
+                        now - self._outage_since, self._outage_error, self.durable_step,
+                        format_bytes(self._queued_bytes))

@@ -2,7 +2,7 @@
 and its weights taken out as standard files.
 
 1. Lightning trains the small GPT of ``gpt.py`` with ``DiffCheckpoint(base_every_n_steps=None,
-   compact_every_n_steps=..., retention=RetentionPolicy(...))``: a background thread rolls bases
+   options=CheckpointOptions(compact_every_n_steps=..., retention=RetentionPolicy(...)))``: a background thread rolls bases
    forward by replaying the stored diffs, and deletes what the policy no longer keeps.
 2. ``diffckpt ls`` shows the compacted bases, ``diffckpt gc`` (a dry run) what a stricter policy
    would delete, and ``diffckpt compact`` rolls a base to the newest step from this process, as
@@ -29,11 +29,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gpt import GPT, make_loader  # noqa: E402
+from gpt import GPT, make_loader
 
-from diffckpt import RetentionPolicy  # noqa: E402
-from diffckpt.cli import main as diffckpt  # noqa: E402
-from lightning_ckpt import DiffCheckpoint, DiffCheckpointIO  # noqa: E402
+from diffckpt import CheckpointOptions, RetentionPolicy
+from diffckpt.cli import main as diffckpt
+from lightning_ckpt import DiffCheckpoint, DiffCheckpointIO
 
 
 def storage_bytes(root: str) -> int:
@@ -54,8 +54,8 @@ def main() -> int:
 
     print(f"1. training {args.steps} steps; bases only by background compaction, keeping the last 2")
     model = GPT("demo", total_steps=args.steps)
-    ckpt = DiffCheckpoint(run, write_batch=8, base_every_n_steps=None, compact_every_n_steps=args.compact_every,
-                          retention=RetentionPolicy(keep_last_bases=2))
+    ckpt = DiffCheckpoint(run, write_batch=8, base_every_n_steps=None, options=CheckpointOptions(
+        compact_every_n_steps=args.compact_every, retention=RetentionPolicy(keep_last_bases=2)))
     trainer = L.Trainer(max_steps=args.steps, accelerator="cpu", devices=1, logger=False, deterministic=True,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[ckpt],
                         plugins=[DiffCheckpointIO()])

@@ -10,12 +10,14 @@ import json
 import os
 import posixpath
 import re
+import shutil
+import tempfile
 from typing import Any
 
 from diffckpt.runstore import RUN_FILE
 from diffckpt.storage import FsspecStorage, open_storage
 
-__all__ = ["is_reference", "resolve_target", "write_reference"]
+__all__ = ["drop_last_candidate", "is_reference", "last_candidate", "resolve_target", "write_reference"]
 
 REF_FORMAT = "diffckpt-ref"
 _STEP_RE = re.compile(r"^step=(\d+)$")
@@ -41,8 +43,11 @@ def _read_reference(path: str, storage_options: dict[str, Any]) -> dict[str, Any
     directory, name = _split(path)
     storage = FsspecStorage(directory, **storage_options)
     try:
-        if not storage.exists(name) or storage.fs.size(storage._full(name)) > _MAX_REF:
-            return None  # not ours (and not read: plain checkpoints can be gigabytes)
+        # The size first: a plain checkpoint (gigabytes) is not ours and is not read. ``stat``
+        # raises for a path with no object (absent, or a directory), which is not ours either.
+        size, _ = storage.stat(name)
+        if size > _MAX_REF:
+            return None
         data = storage.read(name)
     except Exception:
         return None
@@ -50,7 +55,7 @@ def _read_reference(path: str, storage_options: dict[str, Any]) -> dict[str, Any
         return None
     try:
         body = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return body if isinstance(body, dict) and body.get("format") == REF_FORMAT else None
 
@@ -83,3 +88,21 @@ def resolve_target(path: str, storage_options: dict[str, Any] | None = None) -> 
         return None
     newest = posixpath.basename(path).startswith("last") or ref.get("step") is None
     return str(ref["run"]), None if newest else int(ref["step"])
+
+
+def last_candidate(engine: Any, url: str, previous: str | None) -> tuple[str | None, str]:
+    """What ``DiffCheckpoint`` offers Lightning for ``ckpt_path="last"``: ``(temporary file to
+    drop later or None, candidate)``. A local run offers its ``run.json``, rewritten at every
+    session start; a remote one a local reference file, since Lightning stats the candidate with
+    a file system built from the path alone, which knows neither storage_options nor endpoint."""
+    if engine.storage_is_local:
+        return previous, url.rstrip("/") + "/" + RUN_FILE
+    path = previous or os.path.join(tempfile.mkdtemp(prefix="diffckpt-last-"), "last.ckpt")
+    write_reference(path, url, None, {})
+    return path, path
+
+
+def drop_last_candidate(path: str | None) -> None:
+    """Remove the temporary reference :func:`last_candidate` made, if any."""
+    if path is not None:
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)

@@ -280,7 +280,7 @@ class FaultProxy:
                 except OSError:
                     pass
 
-            def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+            def log_message(self, format: str, *args: object) -> None:
                 pass
 
             def _proxy_request(self) -> None:

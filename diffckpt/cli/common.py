@@ -1,5 +1,5 @@
-"""What every ``diffckpt`` subcommand shares: opening the run named on the command line, sizes,
-times, tables and progress on the terminal."""
+"""What every ``diffckpt`` subcommand shares: opening the run named on the command line, times,
+tables and progress on the terminal (sizes and rates: :mod:`diffckpt.units`)."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from datetime import datetime, timezone
 from typing import Any
 
 from ..errors import CheckpointNotFoundError, UnsupportedConfigurationError
-from ..runstore import RUN_FILE, Inventory, RunStore
-from ..storage.fsspec_storage import open_storage
-from ..storage.retry import RetryPolicy
+from ..inventory import Inventory
+from ..runstore import RUN_FILE, RunStore
+from ..storage import RetryPolicy, open_storage
 
-__all__ = ["bar", "human", "open_run", "progress", "reemit", "split_target", "storage_options", "table", "throughput",
+__all__ = ["bar", "open_run", "progress", "reemit", "split_target", "storage_options", "table", "throughput",
            "when"]
 
 _STEP_RE = re.compile(r"^(.*)/step=(\d+)$")
@@ -62,16 +62,6 @@ def reemit(caught: list[warnings.WarningMessage]) -> list[str]:
     return [str(w.message) for w in caught if str(w.message).startswith("diffckpt")]
 
 
-def human(n: float) -> str:
-    if n < 1024:
-        return f"{n:.0f} B"
-    for unit in ("KiB", "MiB", "GiB"):
-        n /= 1024
-        if n < 1024 or unit == "GiB":
-            break
-    return f"{n:.1f} {unit}"
-
-
 def when(ts: Any) -> str:
     # UTC, so that listings compare across machines and time zones.
     if not isinstance(ts, (int, float)):
@@ -80,6 +70,7 @@ def when(ts: Any) -> str:
 
 
 def table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    """Rows under headers, columns aligned, each line indented by two spaces."""
     rows = [headers, *rows]
     # The last column is not padded: it holds paths, whose length must not shift the others.
     widths = [max(len(r[i]) for r in rows) for i in range(len(headers) - 1)]
@@ -112,7 +103,9 @@ def open_run(args: argparse.Namespace) -> tuple[RunStore, Inventory, int | None]
     root, step = split_target(args.url)
     # Absolute, so the ckpt_path that `ls` prints works from any working directory.
     root = root if "://" in root else os.path.abspath(root)
-    retry = RetryPolicy(budget_s=args.retry_budget, max_backoff_s=min(10.0, max(0.2, args.retry_budget / 4)))
+    # Storage errors name the setting that bounds retries; on the command line it is the flag.
+    retry = RetryPolicy(budget_s=args.retry_budget, max_backoff_s=min(10.0, max(0.2, args.retry_budget / 4)),
+                        budget_setting="--retry-budget")
     store = RunStore(open_storage(root, retry=retry, **storage_options(args.storage_option)))
     inv = store.inventory()
     if not (inv.bases or inv.sessions or store.is_run()):

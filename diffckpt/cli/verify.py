@@ -15,12 +15,13 @@ import torch
 
 from ..errors import DiffCkptError, UnsupportedConfigurationError
 from ..format import BaseName, SegmentName, decode_segment
+from ..inventory import Inventory
 from ..loading import load_state, replay_plan
-from ..runstore import Inventory, RestorePlan, RunStore, session_path
-from ..storage.fsspec_storage import Storage
+from ..runstore import RestorePlan, RunStore, session_path
+from ..storage import Storage
 from .common import open_run, progress, reemit, throughput
 
-__all__ = ["cmd_verify"]
+__all__ = ["add_arguments", "run"]
 
 
 def _check_segment(storage: Storage, seg: SegmentName) -> tuple[int, str | None]:
@@ -54,10 +55,9 @@ def _deep_plans(inv: Inventory, usable: list[BaseName]) -> list[tuple[RestorePla
     """
     out = []
     for base in usable:
-        chain = inv.chain(base)
-        if not chain:
+        end = inv.chain_end(base)
+        if end == base.step:  # no segment continues it: nothing to replay
             continue
-        end = chain[-1].last
         after = [b for b in usable if b.gen == base.gen and base.step < b.step <= end]
         upto = min(after) if after else None
         plan = RunStore._plan_for(inv, base, end if upto is None else upto.step)
@@ -125,7 +125,15 @@ def _verify_deep(store: RunStore, inv: Inventory, usable: list[BaseName], args: 
             "seconds": round(time.monotonic() - started, 3)}
 
 
-def cmd_verify(args: argparse.Namespace) -> int:
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``verify`` command's own argument (the step and the device come with replaying ones)."""
+    p.add_argument("--deep", action="store_true",
+                   help="also replay every segment once and check that each base equals the replay "
+                        "of the one before")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check the run named by ``args.url``; exit 1 when anything is damaged."""
     store, inv, step = open_run(args)
     plan = store.plan(step, inv)  # a step that is not durable is a usage error (exit 2): first
     problems: list[dict[str, str]] = []

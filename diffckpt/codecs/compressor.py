@@ -116,10 +116,10 @@ class GradientCompressor(Pausable):
         """
         if self._paused:
             return
-        params = [p for p in params if p.grad is not None]
-        payloads = self.codec.encode({self._key(p): p.grad for p in params}, None)
-        for p in params:
-            p.grad.copy_(self.codec.decode(payloads[self._key(p)], p.grad.shape, p.grad.dtype))
+        grads = [(p, p.grad) for p in params if p.grad is not None]
+        payloads = self.codec.encode({self._key(p): g for p, g in grads}, None)
+        for p, g in grads:
+            g.copy_(self.codec.decode(payloads[self._key(p)], g.shape, g.dtype))
         self._payloads.update(payloads)
 
     def ddp_hook(self, state: Any, bucket: Any) -> torch.futures.Future:

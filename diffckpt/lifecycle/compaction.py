@@ -23,11 +23,12 @@ from typing import Any
 import torch
 
 from ..capture import fingerprint
+from ..deprecation import renamed_kwargs
 from ..errors import CheckpointNotFoundError
 from ..format import BaseName, base_commit
 from ..loading import load_state
 from ..runstore import RunStore
-from ..storage.fsspec_storage import Storage, open_storage
+from ..storage import Storage, open_storage
 from ..tree import pack_parts
 
 __all__ = ["CompactionResult", "compact"]
@@ -81,13 +82,15 @@ def compaction_target(store: RunStore, to: int | None) -> tuple[int, int, int]:
     return plan.base.gen, plan.target, plan.base.step
 
 
-def compact(url: str | os.PathLike[str] | Storage, to: int | None = None, *, device: str = "cpu",
+@renamed_kwargs(url="dirpath")
+def compact(dirpath: str | os.PathLike[str] | Storage, to: int | None = None, *, device: str = "cpu",
             storage_options: dict[str, Any] | None = None, allow_modules: tuple[str, ...] = ("torch.",),
             by: str = "diffckpt compact") -> CompactionResult:
     """Write a base at step ``to`` (``None``: the newest durable step) by replaying stored diffs.
 
     Args:
-        url: the run root (local path, fsspec URL or a :class:`Storage`).
+        dirpath: the run root (local path, fsspec URL or a :class:`Storage`); ``url=`` is a
+            deprecated spelling.
         to: a durable step where a segment ends.
         device: where replay runs; use the device type training ran on for a bit-exact base
             (replay on another device type is caught by the fingerprints recorded in training).
@@ -100,7 +103,7 @@ def compact(url: str | os.PathLike[str] | Storage, to: int | None = None, *, dev
         ReplayMismatchError: replay diverged from the training fingerprints; nothing is written.
     """
     start = time.perf_counter()
-    store = RunStore(open_storage(url, **(storage_options or {})))
+    store = RunStore(open_storage(dirpath, **(storage_options or {})))
     gen, step, base_step = compaction_target(store, to)
     if base_step == step:
         return CompactionResult(step, gen, base_step, 0, False, None, seconds=time.perf_counter() - start)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..runstore import RunStore
-from ..storage.fsspec_storage import Storage
+from ..storage import Storage
 from .compaction import compact
 from .retention import RetentionPolicy, apply_gc, plan_gc
 
@@ -85,7 +85,7 @@ class Maintenance:
             self._busy = True
             try:
                 self.run_once(compaction=not final)
-            except Exception as exc:  # noqa: BLE001  # never stops training; retried next time
+            except Exception as exc:  # never stops training; retried next time
                 self.errors.append(str(exc))
                 log.warning("diffckpt: background compaction/retention failed (training goes on; retried "
                             "at the next base): %s", exc)

@@ -21,11 +21,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import DiffCkptError
+from ..deprecation import renamed_kwargs
+from ..errors import CorruptRecordError, DiffCkptError
 from ..format import BaseName, SegmentName
-from ..runstore import Inventory, RunStore
-from ..storage.fsspec_storage import Storage, open_storage
-from ..storage.retry import unwrap
+from ..inventory import Inventory
+from ..runstore import RunStore, session_path
+from ..storage import InspectableStorage, Storage, open_storage
 
 __all__ = ["GcPlan", "RetentionPolicy", "apply_gc", "collect_garbage", "plan_gc"]
 
@@ -129,76 +130,61 @@ class GcPlan:
 
 
 # ------------------------------------------------------------------------------ planning
-class _Chains:
-    """Every committed base's chain, computed once: thousands of segments and many bases make
-    recomputing them per question (as ``Inventory.chain`` does) quadratic."""
-
-    def __init__(self, inv: Inventory) -> None:
-        self.of = {b: inv.chain(b) for b in inv.bases}
-        self.bases = sorted(inv.bases, reverse=True)  # newest step first (least replay)
-
-    def ends(self, base: BaseName) -> list[int]:
-        """Restorable steps of ``base``'s chain that need no partial segment: its own step and
-        every segment end (segments are cut at restorable steps)."""
-        return [base.step] + [s.last for s in self.of[base]]
-
-    def end(self, base: BaseName) -> int:
-        return self.of[base][-1].last if self.of[base] else base.step
-
-    def newest(self, gen: int) -> int | None:
-        return max((self.end(b) for b in self.bases if b.gen == gen), default=None)
-
-    def base_for(self, gen: int, step: int) -> BaseName | None:
-        """The newest committed base of ``gen`` whose chain reaches ``step``."""
-        return next((b for b in self.bases if b.gen == gen and b.step <= step <= self.end(b)), None)
-
-    def route(self, base: BaseName, step: int) -> list[SegmentName]:
-        """The segments from ``base`` up to the one holding ``step``."""
-        out = []
-        for seg in self.of[base]:
-            if seg.after >= step:
+def _ends(inv: Inventory, bases: list[BaseName]) -> set[int]:
+    """Restorable steps of the chains of ``bases`` that need no partial segment: each base's own
+    step and every segment end (segments are cut at restorable steps)."""
+    ends = {b.step for b in bases}
+    seen: set[SegmentName] = set()
+    for base in bases:
+        for seg in inv.chains[base]:
+            if seg in seen:  # chains that meet go on alike: the rest is counted already
                 break
-            out.append(seg)
-        return out
+            seen.add(seg)
+            ends.add(seg.last)
+    return ends
 
 
-def _targets(inv: Inventory, chains: _Chains, policy: RetentionPolicy, mtimes: dict[str, float | None],
+def _targets(inv: Inventory, policy: RetentionPolicy, mtimes: dict[str, float | None],
              now: float) -> dict[tuple[int, int, int], list[str]]:
     """``{(gen, step, base step): reasons}`` of every step to keep restorable."""
     out: dict[tuple[int, int, int], list[str]] = {}
+    reaches: dict[int, list[tuple[BaseName, int]]] = {}  # per session: (base, chain end), newest first
+    for b in sorted(inv.bases, reverse=True):
+        reaches.setdefault(b.gen, []).append((b, inv.chain_end(b)))
 
     def keep(gen: int, step: int, reason: str, base: BaseName | None = None) -> None:
-        base = base or chains.base_for(gen, step)
+        # Without a base named: the newest committed base of ``gen`` whose chain reaches ``step``
+        # (the least replay).
+        base = base or next((b for b, end in reaches.get(gen, ()) if b.step <= step <= end), None)
         if base is not None:
             out.setdefault((gen, step, base.step), []).append(reason)
 
     newest_gen = next((g for g in inv.gens() if any(b.gen == g for b in inv.bases)), None)
     if newest_gen is None:
         return out
-    keep(newest_gen, chains.newest(newest_gen) or 0, "newest durable step")
+    keep(newest_gen, inv.newest_step(newest_gen) or 0, "newest durable step")
     if policy.keeps_everything:
         for base in inv.bases:
-            keep(base.gen, chains.end(base), "no keep_* policy: everything is kept", base)
+            keep(base.gen, inv.chain_end(base), "no keep_* policy: everything is kept", base)
         return out
     if policy.keep_last_bases is not None:
         n = policy.keep_last_bases
         why = "within the newest base" if n == 1 else f"within the last {n} bases"
         for base in sorted(inv.bases, key=lambda b: (b.gen, b.step), reverse=True)[:n]:
-            keep(base.gen, chains.end(base), why, base)
+            keep(base.gen, inv.chain_end(base), why, base)
     if policy.keep_every_n_steps is not None:
-        k, claimed = policy.keep_every_n_steps, set()
+        k, claimed = policy.keep_every_n_steps, set[int]()
         for gen in inv.gens():  # the newest session's history wins where sessions overlap
             bases = sorted(b for b in inv.bases if b.gen == gen)
             first: dict[int, int] = {}  # window -> its first restorable step
-            for b in bases:
-                for step in chains.ends(b):
-                    first[step // k] = min(first.get(step // k, step), step)
+            for step in _ends(inv, bases):
+                first[step // k] = min(first.get(step // k, step), step)
             base_in = {}
             for b in reversed(bases):  # the oldest base in each window wins
                 base_in[b.step // k] = b
             for w in sorted(set(first) - claimed):
-                b = base_in.get(w)
-                keep(gen, b.step if b else first[w], f"one per {k} steps", b)
+                in_window = base_in.get(w)
+                keep(gen, in_window.step if in_window else first[w], f"one per {k} steps", in_window)
             claimed |= set(first)
     if policy.keep_newer_than_s is not None:
         cutoff = now - policy.keep_newer_than_s
@@ -218,26 +204,26 @@ def plan_gc(store: RunStore, policy: RetentionPolicy, now: float | None = None) 
     now = time.time() if now is None else now
     details = _details(store)
     inv = store.inventory({p: size for p, (size, _) in details.items() if not _hidden(p)})
-    chains = _Chains(inv)
     mtimes = {p: t for p, (_, t) in details.items()}
     plan = GcPlan(url=store.storage.url.rstrip("/"), sizes={p: s for p, (s, _) in details.items()})
-    needed: set[str] = set()
+    needed: set[str] = set()  # base directories
+    reach: dict[BaseName, int] = {}  # kept base -> the furthest kept step restored from it
     by_key: dict[tuple[int, int], Kept] = {}
-    for (gen, step, base_step), reasons in sorted(_targets(inv, chains, policy, mtimes, now).items()):
+    for (gen, step, base_step), reasons in sorted(_targets(inv, policy, mtimes, now).items()):
         base = BaseName(base_step, gen)
         needed.add(base.dir)
-        needed.update(s.path for s in chains.route(base, step))
+        reach[base] = max(reach.get(base, step), step)
         kept = by_key.setdefault((gen, step), Kept(gen, step, base_step, []))
         kept.reasons += [r for r in reasons if r not in kept.reasons]
     plan.kept = sorted(by_key.values(), key=lambda k: (k.gen, k.step))
-
-    reachable = {s.path for chain in chains.of.values() for s in chain}
+    routed = _routed(inv, reach)
+    reachable = _reachable(inv)
     newest_gen = max(inv.gens(), default=0)
-    newest = {gen: chains.newest(gen) for gen in {s.gen for s in inv.segments}}
+    newest = {gen: inv.newest_step(gen) for gen in {s.gen for s in inv.segments}}
     for seg in inv.segments:
-        if seg.path in needed:
+        if seg in routed:
             continue
-        if seg.path in reachable:
+        if seg in reachable:
             plan.segments.append(seg)
             continue
         # Beyond a gap in its chain: unrestorable now, but never delete what may be newer than
@@ -263,6 +249,33 @@ def plan_gc(store: RunStore, policy: RetentionPolicy, now: float | None = None) 
     return plan
 
 
+def _routed(inv: Inventory, reach: dict[BaseName, int]) -> set[SegmentName]:
+    """The segments from each kept base up to the one holding its furthest kept step.
+
+    Linear in the segments however many steps are kept: the route to a nearer step is a prefix
+    of the route to the furthest, and chains that meet go on alike, so with the furthest routes
+    walked first a walk stops at the first segment an earlier one took.
+    """
+    routed: set[SegmentName] = set()
+    for base, step in sorted(reach.items(), key=lambda item: -item[1]):
+        for seg in inv.chains[base]:
+            if seg.after >= step or seg in routed:
+                break
+            routed.add(seg)
+    return routed
+
+
+def _reachable(inv: Inventory) -> set[SegmentName]:
+    """Segments on some committed base's chain (a chain that meets one already taken is done)."""
+    reachable: set[SegmentName] = set()
+    for chain in inv.chains.values():
+        for seg in chain:
+            if seg in reachable:
+                break
+            reachable.add(seg)
+    return reachable
+
+
 def _hidden(path: str) -> bool:
     return path.rsplit("/", 1)[-1].startswith(".")
 
@@ -270,9 +283,8 @@ def _hidden(path: str) -> bool:
 def _details(store: RunStore) -> dict[str, tuple[int, float | None]]:
     """``{path: (size, mtime)}`` including temporary files where the storage can tell; a
     storage that cannot gives sizes with unknown times (then nothing counts as old)."""
-    inner = unwrap(store.storage)
-    if hasattr(inner, "details"):
-        return inner.details("", hidden=True)  # type: ignore[no-any-return]
+    if isinstance(store.storage, InspectableStorage):
+        return store.storage.details("", hidden=True)
     return {p: (size, None) for p, size in store.storage.list("").items()}
 
 
@@ -289,26 +301,27 @@ def _leftovers(store: RunStore, details: dict[str, tuple[int, float | None]], co
             out.append(Leftover(path, size, "file of a base that was never committed"))
         elif path.startswith("_probe/"):
             out.append(Leftover(path, size, "storage probe of an interrupted tuner"))
-    inner = unwrap(store.storage)
-    if hasattr(inner, "incomplete_uploads"):
-        for key, upload_id, started in inner.incomplete_uploads():
+    if isinstance(store.storage, InspectableStorage):
+        for key, upload_id, started in store.storage.incomplete_uploads():
             if started is not None and started < cutoff:
                 out.append(Leftover(key, 0, "incomplete multipart upload", upload_id))
     return out
 
 
 # ------------------------------------------------------------------------------ applying
-def collect_garbage(url: str | os.PathLike[str] | Storage, policy: RetentionPolicy | None = None, *,
+@renamed_kwargs(url="dirpath")
+def collect_garbage(dirpath: str | os.PathLike[str] | Storage, policy: RetentionPolicy | None = None, *,
                     dry_run: bool = True, storage_options: dict[str, Any] | None = None,
                     progress: Callable[[int, int, str], None] | None = None) -> GcPlan:
-    """Plan (and unless ``dry_run``, carry out) the deletions ``policy`` allows on a run.
+    """Plan (and unless ``dry_run``, carry out) the deletions ``policy`` allows on the run at
+    ``dirpath`` (path, fsspec URL or :class:`Storage`; ``url=`` is a deprecated spelling).
 
     Safe while training writes to the run: only committed objects no kept step needs, and
     leftovers older than ``policy.min_age_s``, are deleted; the newest durable step always stays.
     ``policy`` defaults to the one the run's newest session was started with, and without one
     to :class:`RetentionPolicy` ``()``: every step is kept, only leftovers go.
     """
-    store = RunStore(open_storage(url, **(storage_options or {})))
+    store = RunStore(open_storage(dirpath, **(storage_options or {})))
     policy = policy or recorded_policy(store) or RetentionPolicy()
     plan = plan_gc(store, policy)
     if not dry_run:
@@ -321,23 +334,31 @@ def recorded_policy(store: RunStore) -> RetentionPolicy | None:
     """The retention the newest session was configured with (``None`` if none)."""
     for gen in sorted(store.inventory().sessions, reverse=True):
         try:
-            recorded = store.session_meta(gen).get("options", {}).get("retention")
+            options = store.session_meta(gen).get("options")
         except (ValueError, DiffCkptError):
             continue
-        return RetentionPolicy(**recorded) if isinstance(recorded, dict) else None
+        recorded = options.get("retention") if isinstance(options, dict) else None
+        if not isinstance(recorded, dict):
+            return None
+        try:
+            return RetentionPolicy(**recorded)
+        except (TypeError, ValueError) as exc:  # damaged, or written by another version
+            raise CorruptRecordError(
+                f"{store.storage.url.rstrip('/')}/{session_path(gen)} records a retention policy that "
+                f"cannot be used ({exc}); pass a policy explicitly") from None
     return None
 
 
 def apply_gc(store: RunStore, plan: GcPlan,
              progress: Callable[[int, int, str], None] | None = None) -> dict[str, int]:
     """Delete what ``plan`` names, in the crash-safe order; return counts and bytes deleted."""
-    storage, inner = store.storage, unwrap(store.storage)
+    storage = store.storage
     steps: list[tuple[str, Callable[[], None]]] = [(s.path, _deleter(storage, s.path)) for s in plan.segments]
     for base in plan.bases:
         steps += [(p, _deleter(storage, p)) for p in plan.base_files[base]]
     for x in plan.leftovers:
         if x.upload_id is not None:
-            steps.append((x.path, lambda x=x: inner.abort_upload(x.path, x.upload_id)))
+            steps.append((x.path, _aborter(storage, x.path, x.upload_id)))
         else:
             steps.append((x.path, _deleter(storage, x.path)))
     for i, (path, step) in enumerate(steps):
@@ -352,3 +373,8 @@ def apply_gc(store: RunStore, plan: GcPlan,
 
 def _deleter(storage: Any, path: str) -> Callable[[], None]:
     return lambda: storage.delete(path)
+
+
+def _aborter(storage: Any, path: str, upload_id: str) -> Callable[[], None]:
+    # Only planned for a storage that listed the upload, so one that is an InspectableStorage.
+    return lambda: storage.abort_upload(path, upload_id)

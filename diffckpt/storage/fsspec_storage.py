@@ -1,61 +1,34 @@
-"""Storage protocol and its fsspec implementation.
+"""The :class:`~diffckpt.storage.Storage` of diffckpt: any fsspec file system (local disk,
+S3, GCS, Azure, ...), with atomic whole-object writes on each.
 
-The engine talks to storage through :class:`Storage` only, so tests can wrap it to inject faults
-and other backends can be added without touching the engine. Paths are relative to the run root
-and use ``/``.
+It also implements :class:`~diffckpt.storage.InspectableStorage` (modification times, hidden
+temporary files, incomplete multipart uploads), which garbage collection uses.
 """
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import errno
 import os
 import uuid
 from collections.abc import Sequence
 from datetime import datetime
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.spec import AbstractBufferedFile
 
-from ..errors import CheckpointNotFoundError, DiffCkptError, StorageError
-from .retry import RetryingStorage, RetryPolicy, is_transient
+from ..errors import CheckpointNotFoundError, StorageError
+from .protocol import Buffer, Data, as_bytes
+from .retry import is_transient
 
-Buffer = bytes | memoryview
-Data = bytes | Sequence[Buffer]
-
-__all__ = ["FsspecStorage", "Storage", "open_storage"]
+__all__ = ["FsspecStorage", "explain"]
 
 
-@runtime_checkable
-class Storage(Protocol):
-    """What the engine needs from a store: atomic whole-object writes and plain reads."""
-
-    url: str
-
-    def write(self, path: str, data: Data) -> None:
-        """Write ``data`` (bytes, or buffers to concatenate) so that readers see the whole object
-        or nothing."""
-
-    def create(self, path: str, data: bytes) -> bool:
-        """Write ``data`` only if ``path`` does not exist, atomically; return whether it did not
-        (two writers racing for a name: exactly one gets ``True``)."""
-
-    def read(self, path: str) -> bytes:
-        """Return the whole object; raise :class:`CheckpointNotFoundError` if it is absent."""
-
-    def list(self, prefix: str) -> dict[str, int]:
-        """Return ``{relative path: size}`` for every committed object under ``prefix``."""
-
-    def delete(self, path: str) -> None:
-        """Remove an object; absent objects are ignored."""
-
-    def exists(self, path: str) -> bool:
-        """Whether an object is present."""
-
-
-def _explain(exc: BaseException, action: str, where: str) -> StorageError:
+def explain(exc: BaseException, action: str, where: str) -> StorageError:
+    """A :class:`StorageError` for ``exc`` that says what is wrong and how to fix it."""
     code = getattr(exc, "errno", None)
     remote = "://" in where and not where.startswith(("file://", "local://"))
     if remote and isinstance(exc, FileNotFoundError):
@@ -99,13 +72,8 @@ def _mtime(info: dict[str, Any]) -> float | None:
     return None
 
 
-def as_bytes(data: Data) -> bytes:
-    """``data`` as one bytes object (joins a list of buffers)."""
-    return data if isinstance(data, bytes) else b"".join(data)
-
-
 class FsspecStorage:
-    """:class:`Storage` over any fsspec file system.
+    """:class:`Storage` and :class:`InspectableStorage` over any fsspec file system.
 
     Local disk commits with a temporary file in the same directory, ``fsync``, ``os.replace`` and
     an ``fsync`` of the directory. Object stores have no rename: a single PUT is atomic, and so is
@@ -145,7 +113,7 @@ class FsspecStorage:
         except StorageError:
             raise
         except Exception as exc:  # fsspec backends raise many types
-            raise _explain(exc, "write", f"{self.url}/{path}") from exc
+            raise explain(exc, "write", f"{self.url}/{path}") from exc
 
     def create(self, path: str, data: bytes) -> bool:
         full = self._full(path)
@@ -166,7 +134,7 @@ class FsspecStorage:
         except Exception as exc:
             if _precondition_failed(exc):  # S3-compatibles that omit the failed condition
                 return False
-            raise _explain(exc, "create", f"{self.url}/{path}") from exc
+            raise explain(exc, "create", f"{self.url}/{path}") from exc
 
     @staticmethod
     def _write_local(full: str, parts: Sequence[Buffer], exclusive: bool = False) -> bool:
@@ -220,7 +188,7 @@ class FsspecStorage:
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"{self.url}/{path} does not exist") from None
         except Exception as exc:
-            raise _explain(exc, "read", f"{self.url}/{path}") from exc
+            raise explain(exc, "read", f"{self.url}/{path}") from exc
 
     def list(self, prefix: str) -> dict[str, int]:
         return {rel: size for rel, (size, _) in self.details(prefix).items()
@@ -236,7 +204,7 @@ class FsspecStorage:
                 return {}
             found = self.fs.find(base, detail=True)
         except Exception as exc:
-            raise _explain(exc, "list", f"{self.url}/{prefix}") from exc
+            raise explain(exc, "list", f"{self.url}/{prefix}") from exc
         cut = len(self.root.rstrip("/")) + 1 if self.root not in ("", "/") else len(self.root)
         out: dict[str, tuple[int, float | None]] = {}
         for full, info in found.items():
@@ -245,7 +213,21 @@ class FsspecStorage:
                 out[rel] = (int(info.get("size") or 0), _mtime(info))
         return out
 
-    def incomplete_uploads(self) -> list[tuple[str, str, float | None]]:
+    def stat(self, path: str) -> tuple[int, float | None]:
+        """``(size, modification time or None)`` of the object at ``path``, without reading it."""
+        full = self._full(path)
+        try:
+            self.fs.invalidate_cache(full)
+            info = self.fs.info(full)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"{self.url}/{path} does not exist") from None
+        except Exception as exc:
+            raise explain(exc, "reach", f"{self.url}/{path}") from exc
+        if info.get("type", "file") != "file":  # a directory (or prefix) is not an object
+            raise CheckpointNotFoundError(f"{self.url}/{path} is not an object")
+        return int(info.get("size") or 0), _mtime(info)
+
+    def incomplete_uploads(self) -> builtins.list[tuple[str, str, float | None]]:
         """``(relative key, upload id, initiated time)`` of every multipart upload under the root
         that was started and never completed nor aborted (S3 only; others have none)."""
         if not hasattr(self.fs, "abort_mpu"):
@@ -263,7 +245,7 @@ class FsspecStorage:
                     return out
                 marker = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
         except Exception as exc:
-            raise _explain(exc, "list the uploads of", self.url) from exc
+            raise explain(exc, "list the uploads of", self.url) from exc
 
     def abort_upload(self, path: str, upload_id: str) -> None:
         """Abort an incomplete multipart upload: its parts stop taking (billed) space."""
@@ -273,7 +255,7 @@ class FsspecStorage:
         except FileNotFoundError:
             pass
         except Exception as exc:
-            raise _explain(exc, "abort the upload of", f"{self.url}/{path}") from exc
+            raise explain(exc, "abort the upload of", f"{self.url}/{path}") from exc
 
     def delete(self, path: str) -> None:
         try:
@@ -281,66 +263,11 @@ class FsspecStorage:
         except FileNotFoundError:
             pass
         except Exception as exc:
-            raise _explain(exc, "delete", f"{self.url}/{path}") from exc
+            raise explain(exc, "delete", f"{self.url}/{path}") from exc
 
     def exists(self, path: str) -> bool:
         try:
             self.fs.invalidate_cache(self._full(path))
             return bool(self.fs.exists(self._full(path)))
         except Exception as exc:
-            raise _explain(exc, "reach", f"{self.url}/{path}") from exc
-
-
-class _Explained:
-    """A caller's :class:`Storage` whose bare ``OSError`` is turned into a :class:`StorageError`
-    with the explanation :class:`FsspecStorage` gives (full disk, read-only, ...)."""
-
-    def __init__(self, inner: Storage) -> None:
-        self.inner = inner
-        self.url = inner.url
-
-    def _call(self, action: str, path: str, fn: Any, *args: Any) -> Any:
-        try:
-            return fn(path, *args)
-        except DiffCkptError:
-            raise
-        except OSError as exc:
-            if isinstance(exc, FileNotFoundError) and action == "read":
-                raise CheckpointNotFoundError(f"{self.url}/{path} does not exist") from None
-            raise _explain(exc, action, f"{self.url}/{path}") from exc
-
-    def write(self, path: str, data: Data) -> None:
-        self._call("write", path, self.inner.write, data)
-
-    def create(self, path: str, data: bytes) -> bool:
-        return self._call("create", path, self.inner.create, data)  # type: ignore[no-any-return]
-
-    def read(self, path: str) -> bytes:
-        return self._call("read", path, self.inner.read)  # type: ignore[no-any-return]
-
-    def list(self, prefix: str) -> dict[str, int]:
-        return self._call("list", prefix, self.inner.list)  # type: ignore[no-any-return]
-
-    def delete(self, path: str) -> None:
-        self._call("delete", path, self.inner.delete)
-
-    def exists(self, path: str) -> bool:
-        return self._call("reach", path, self.inner.exists)  # type: ignore[no-any-return]
-
-
-def open_storage(url: str | os.PathLike[str] | Storage, *, retry: RetryPolicy | None = None,
-                 **storage_options: Any) -> Storage:
-    """Return the storage of a path or URL, retrying transient failures under ``retry``.
-
-    A caller's :class:`Storage` is used as it is, except that a bare ``OSError`` it raises becomes
-    a :class:`StorageError` that says what is wrong and how to fix it, as in :class:`FsspecStorage`.
-    """
-    if isinstance(url, RetryingStorage):
-        return url
-    if isinstance(url, (FsspecStorage, _Explained)):
-        inner: Any = url
-    elif isinstance(url, Storage) and not isinstance(url, (str, os.PathLike)):
-        inner = _Explained(url)
-    else:
-        inner = FsspecStorage(os.fspath(url), **storage_options)
-    return RetryingStorage(inner, retry)  # type: ignore[return-value]
+            raise explain(exc, "reach", f"{self.url}/{path}") from exc

@@ -15,12 +15,16 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from dataclasses import InitVar, dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import DiffCkptError, StorageUnavailableError
+from .protocol import InspectableStorage
 
-__all__ = ["RetryPolicy", "RetryingStorage", "is_transient"]
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+__all__ = ["RetryPolicy", "RetryingInspectableStorage", "RetryingStorage", "is_transient", "unwrap"]
 
 log = logging.getLogger("diffckpt")
 T = TypeVar("T")
@@ -76,17 +80,33 @@ class RetryPolicy:
         initial_backoff_s: first wait; each retry doubles the ceiling.
         max_backoff_s: ceiling of one wait. Waits are drawn uniformly below the ceiling (full
             jitter), so many writers do not retry in lockstep.
+        budget_setting: how the error raised when the budget is spent names the setting that
+            changes it, e.g. ``"--retry-budget"`` where the budget came from a command line.
+
+    ``budget_setting`` says only how the budget is named to a user, so it is an init-only
+    variable kept on the instance: equality, ``repr`` and :func:`dataclasses.asdict` (the
+    options a session records on storage) see the three numbers only, as before.
     """
 
     budget_s: float = 60.0
     initial_backoff_s: float = 0.2
     max_backoff_s: float = 10.0
+    if TYPE_CHECKING:  # to type checkers an ordinary str field; at run time init-only (see above)
+        budget_setting: str = "RetryPolicy.budget_s"
+    else:
+        budget_setting: InitVar[str] = "RetryPolicy.budget_s"
 
-    def __post_init__(self) -> None:
+    # The InitVar is hidden from type checkers (above), which then expect no argument here.
+    def __post_init__(self, budget_setting: str) -> None:  # type: ignore[override]
         for name in ("budget_s", "initial_backoff_s", "max_backoff_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"RetryPolicy.{name} must be a non-negative number, got {value!r}")
+        if not isinstance(budget_setting, str) or not budget_setting:
+            raise ValueError(f"RetryPolicy.budget_setting must be a non-empty string, got {budget_setting!r}")
+        # Frozen: set like the generated __init__ sets fields. The instance attribute shadows the
+        # class default that dataclasses leaves for an InitVar, and is pickled and copied with it.
+        object.__setattr__(self, "budget_setting", budget_setting)
 
     def delay(self, attempt: int) -> float:
         """Wait before retry number ``attempt`` (1-based)."""
@@ -115,7 +135,7 @@ class RetryPolicy:
                     raise StorageUnavailableError(
                         f"cannot {what}: storage kept failing for {elapsed:.1f}s ({attempt} attempts; last "
                         f"error: {_describe(exc)}). Check that the endpoint is reachable and healthy; "
-                        "RetryPolicy.budget_s sets how long to retry") from exc
+                        f"{self.budget_setting} sets how long to retry") from exc
                 (log.warning if attempt == 1 else log.info)(
                     "diffckpt: %s failed (%s); transient, retry %d in %.2fs", what, _describe(exc), attempt, wait)
                 if cancel is not None and cancel.wait(wait):
@@ -133,7 +153,17 @@ def _describe(exc: BaseException) -> str:
 
 
 class RetryingStorage:
-    """A :class:`~diffckpt.storage.Storage` that retries the transient failures of another."""
+    """A :class:`~diffckpt.storage.Storage` that retries the transient failures of another.
+
+    Constructing one over an :class:`~diffckpt.storage.InspectableStorage` gives a
+    :class:`RetryingInspectableStorage`, which is one too (its extra operations retried as well):
+    what the wrapped storage can do, the wrapper can, and ``isinstance`` tells.
+    """
+
+    def __new__(cls, inner: Any = None, *args: Any, **kwargs: Any) -> Self:
+        # Defaults: pickling and copying call ``__new__(cls)`` alone, with the class already right.
+        capable = cls is RetryingStorage and isinstance(inner, InspectableStorage)
+        return object.__new__(RetryingInspectableStorage if capable else cls)  # type: ignore[return-value]
 
     def __init__(self, inner: Any, policy: RetryPolicy | None = None, cancel: threading.Event | None = None) -> None:
         self.inner = inner
@@ -166,6 +196,21 @@ class RetryingStorage:
     def exists(self, path: str) -> bool:
         return self._call(f"reach {self.url}/{path}", lambda: self.inner.exists(path))
 
+
+class RetryingInspectableStorage(RetryingStorage):
+    """:class:`RetryingStorage` over an :class:`~diffckpt.storage.InspectableStorage`."""
+
+    def details(self, prefix: str, hidden: bool = False) -> dict[str, tuple[int, float | None]]:
+        return self._call(f"list {self.url}/{prefix}", lambda: self.inner.details(prefix, hidden=hidden))
+
+    def stat(self, path: str) -> tuple[int, float | None]:
+        return self._call(f"reach {self.url}/{path}", lambda: self.inner.stat(path))
+
+    def incomplete_uploads(self) -> list[tuple[str, str, float | None]]:
+        return self._call(f"list the uploads of {self.url}", self.inner.incomplete_uploads)
+
+    def abort_upload(self, path: str, upload_id: str) -> None:
+        self._call(f"abort the upload of {self.url}/{path}", lambda: self.inner.abort_upload(path, upload_id))
 
 
 def unwrap(storage: Any) -> Any:

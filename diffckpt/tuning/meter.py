@@ -1,30 +1,24 @@
-"""Online measurements for the auto-tuner, and the storage probe.
+"""Online measurements for the auto-tuner (:class:`Meter`).
 
 The engine (training thread) and the writer (its own thread) report what they time; a
 :class:`Meter` keeps moving averages and turns them into the tuner's
 :class:`~diffckpt.tuning.model.Measurements` on demand. Writes are fitted as ``latency + bytes /
 bandwidth`` over a window of recent requests of different sizes (segments, bases and their small
-COMMIT markers), seeded by a probe of the storage when the session starts.
+COMMIT markers), seeded by a probe of the storage when the session starts (:mod:`.probe`).
 """
 
 from __future__ import annotations
 
 import collections
-import os
 import threading
-import time
-import uuid
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from .model import Measurements
+from .probe import fit_write_cost
 
-__all__ = ["Meter", "fit_write_cost", "probe_storage"]
+__all__ = ["SKIPPED_STEPS", "Ewma", "Meter"]
 
-PROBE_PREFIX = "_probe"
-PROBE_SIZES = (1 << 10, 1 << 20)
 SKIPPED_STEPS = 2  # the first step timings of a session, left out of the estimates
-DEFAULT_BANDWIDTH = 100e6  # bytes/s assumed until writes of different sizes have been timed
 
 
 class Ewma:
@@ -41,62 +35,6 @@ class Ewma:
 
     def get(self, default: float = 0.0) -> float:
         return default if self.value is None else self.value
-
-
-def fit_write_cost(samples: Sequence[tuple[int, float]], prior_bandwidth: float | None = None) -> tuple[float, float]:
-    """Fit ``seconds = latency + bytes / bandwidth`` to ``(bytes, seconds)`` samples.
-
-    Least squares when the sizes differ enough (the largest at least twice the smallest and
-    4 KiB apart); otherwise the bandwidth is ``prior_bandwidth`` (or ``DEFAULT_BANDWIDTH``) and
-    the latency is what remains. Returns ``(latency_s, bandwidth_bps)``.
-    """
-    if not samples:
-        raise ValueError("no write samples to fit")
-    sizes = [float(s) for s, _ in samples]
-    times = [float(t) for _, t in samples]
-    n = len(samples)
-    ms, mt = sum(sizes) / n, sum(times) / n
-    if max(sizes) >= 2 * min(sizes) and max(sizes) - min(sizes) >= 4096:
-        var = sum((s - ms) ** 2 for s in sizes)
-        slope = sum((s - ms) * (t - mt) for s, t in zip(sizes, times, strict=True)) / var
-        if slope > 0:
-            latency = max(0.0, mt - slope * ms)
-            return latency, 1.0 / slope
-    bandwidth = prior_bandwidth or DEFAULT_BANDWIDTH
-    latency = max(0.0, mt - ms / bandwidth)
-    return latency, bandwidth
-
-
-def probe_storage(storage: Any, sizes: Sequence[int] = PROBE_SIZES, repeats: int = 2,
-                  prefix: str = PROBE_PREFIX,
-                  on_sample: Callable[[int, float], None] | None = None) -> list[tuple[int, float]]:
-    """Time writes of a few object sizes to ``storage`` (under ``prefix``, removed after).
-
-    Returns ``(bytes, seconds)`` per write, for :func:`fit_write_cost`; ``on_sample`` gets each
-    one as soon as it is measured. The data is random so that compression on the way cannot
-    flatter the figures.
-    """
-    samples = []
-    tag = uuid.uuid4().hex[:12]
-    written = []
-    try:
-        for r in range(repeats):
-            for size in sizes:
-                path = f"{prefix}/{tag}-{r}-{size}"
-                data = os.urandom(size)
-                start = time.perf_counter()
-                storage.write(path, data)
-                samples.append((size, time.perf_counter() - start))
-                written.append(path)
-                if on_sample is not None:
-                    on_sample(*samples[-1])
-    finally:
-        for path in written:
-            try:
-                storage.delete(path)
-            except Exception:  # noqa: BLE001, S110 - a leftover probe object is harmless
-                pass
-    return samples
 
 
 class Meter:

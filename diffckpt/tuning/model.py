@@ -17,8 +17,10 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["AutoTuner", "Decision", "Estimate", "Measurements", "Settings", "TuningOptions", "expected_loss",
-           "tuning_metrics"]
+from ..units import format_bytes, format_rate
+
+__all__ = ["AUTO", "AutoTuner", "Decision", "Estimate", "Measurements", "Settings", "TuningOptions", "describe",
+           "expected_loss", "tuning_metrics"]
 
 AUTO = "auto"
 WRITER_HEADROOM = 0.8  # the writer may be busy at most this share of the time
@@ -256,7 +258,7 @@ class AutoTuner:
     options: TuningOptions = field(default_factory=TuningOptions)
     every_n_steps: int | str = AUTO
     write_batch: int | str = AUTO
-    base_every_n_steps: int | None | str = AUTO
+    base_every_n_steps: int | str | None = AUTO
     _grid: tuple[list[Settings], tuple[np.ndarray, np.ndarray, np.ndarray]] | None = field(
         default=None, init=False, repr=False, compare=False)
 
@@ -325,14 +327,8 @@ def tuning_metrics(decision: Decision, m: Measurements) -> dict[str, float]:
 def describe(m: Measurements) -> str:
     """One line of the measurements behind a decision, for logs."""
     return (f"step {m.step_s * 1e3:.1f} ms, capture {m.record_s * 1e3:.2f} ms + state {m.state_s * 1e3:.2f} ms, "
-            f"diff {_size(m.diff_bytes)}, write {m.latency_s * 1e3:.1f} ms + {_size(m.bandwidth_bps)}/s, "
-            f"base {_size(m.base_bytes)} (copy {m.base_capture_s * 1e3:.1f} ms), "
+            f"diff {format_bytes(m.diff_bytes)}, "
+            f"write {m.latency_s * 1e3:.1f} ms + {format_rate(m.bandwidth_bps)}, "
+            f"base {format_bytes(m.base_bytes)} (copy {m.base_capture_s * 1e3:.1f} ms), "
             f"replay {m.replay_step_s * 1e3:.2f} ms/step + load {m.base_load_s:.2f} s")
 
-
-def _size(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} GB"

@@ -21,8 +21,9 @@ from ..errors import StorageError
 from ..options import CheckpointOptions
 from ..runstore import tuning_path
 from ..writer import BackgroundWriter
-from .meter import Meter, probe_storage
+from .meter import Meter
 from .model import AUTO, AutoTuner, Decision, Measurements, Settings, describe
+from .probe import probe_storage
 
 __all__ = ["REVIEW_BUDGET", "WARMUP_STEPS", "OnlineTuning"]
 

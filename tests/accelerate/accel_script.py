@@ -88,15 +88,17 @@ def main() -> None:
         from accelerate_ckpt import DiffCheckpointer
         knobs: dict = {"every_n_steps": args.every, "write_batch": args.write_batch,
                        "base_every_n_steps": args.base_every}
+        options: dict = {}
         if args.auto:  # reviewed often, with a short MTBF so that the choice is not trivial
             from diffckpt import TuningOptions
             knobs = dict.fromkeys(knobs, "auto")
-            knobs["tuning"] = TuningOptions(mtbf_s=30, max_overhead=0.5, retune_every_n_steps=5)
+            options["tuning"] = TuningOptions(mtbf_s=30, max_overhead=0.5, retune_every_n_steps=5)
         if args.compact:
             from diffckpt import RetentionPolicy
-            knobs.update(base_every_n_steps=None, compact_every_n_steps=4,
-                         retention=RetentionPolicy(keep_last_bases=2))
-        ckpt = DiffCheckpointer(accelerator, args.dirpath, model=model,
+            knobs.update(base_every_n_steps=None)
+            options.update(compact_every_n_steps=4, retention=RetentionPolicy(keep_last_bases=2))
+        from diffckpt import CheckpointOptions
+        ckpt = DiffCheckpointer(accelerator, args.dirpath, model=model, options=CheckpointOptions(**options),
                                 codec=make_codec(args.codec) if args.codec else None, **knobs)
         if not args.no_track:
             loader = ckpt.dataloader(dl)

@@ -21,8 +21,10 @@ import pytest
 from faultproxy import FaultProxy
 from s3env import S3Target, s3_storage_options
 
-from diffckpt import advice
 from diffckpt.cli import main
+from diffckpt.tuning.planner import STATE_S
+from diffckpt.tuning.sizing import parse_codec
+from diffckpt.units import parse_count, parse_duration, parse_size
 
 Cap = pytest.CaptureFixture[str]
 SMALL = ["--probe-sizes", "4KiB,64KiB", "--repeats", "2"]
@@ -84,7 +86,7 @@ def test_local_human_output_leaves_an_existing_run_untouched(tmp_path: Path, cap
     assert lines[0] == f"diffckpt tune {root}"
     assert '"auto"' in out and "re-measures" in out
     table = lines[lines.index(next(ln for ln in lines if ln.startswith("storage probe"))) + 1:][:3]
-    assert table[0].split() == ["size", "median", "MB/s"]
+    assert table[0].split() == ["size", "median", "MiB/s"]
     assert table[1].split()[:2] == ["4.0", "KiB"] and table[2].split()[:2] == ["64.0", "KiB"]
     assert any(ln.startswith("  fitted write cost: latency ") for ln in lines)
     assert "estimated on this machine (cpu), not probed" in out
@@ -114,7 +116,7 @@ def test_local_json_fields_and_directory_created_by_the_probe_is_removed(tmp_pat
     assert d["model"]["base_bytes"] == 100_000 * 4 * 3
     assert d["measurements"]["replay_step_s"] == pytest.approx(0.003)
     assert d["measurements"]["step_s"] == pytest.approx(0.02) and d["options"]["mtbf_s"] == 60
-    assert d["options"]["rto_s"] == 600 and d["measurements"]["state_s"] == advice.STATE_S
+    assert d["options"]["rto_s"] == 600 and d["measurements"]["state_s"] == STATE_S
     for key in ("copy_bandwidth_bps", "hash_bandwidth_bps", "optimizer_step_s", "record_s", "base_load_s"):
         assert d["estimates"][key] > 0, key
     rec = d["recommended"]
@@ -231,27 +233,27 @@ def test_bad_input_exits_2(tmp_path: Path, capsys: Cap, argv: list[str]) -> None
 @pytest.mark.parametrize(("text", "value"), [("350000", 350_000), ("125M", 125_000_000), ("1.3B", 1_300_000_000),
                                              ("7e9", 7_000_000_000), ("100k", 100_000)])
 def test_parse_count(text: str, value: int) -> None:
-    assert advice.parse_count(text) == value
+    assert parse_count(text) == value
 
 
 @pytest.mark.parametrize(("text", "value"), [("0.5", 0.5), ("500ms", 0.5), ("30m", 1800), ("24h", 86400),
                                              ("7d", 604800), ("1h30m", 5400), ("45s", 45)])
 def test_parse_duration(text: str, value: float) -> None:
-    assert advice.parse_duration(text) == pytest.approx(value)
+    assert parse_duration(text) == pytest.approx(value)
 
 
 @pytest.mark.parametrize(("text", "value"), [("4096", 4096), ("4KiB", 4096), ("16M", 16 << 20), ("1GB", 10**9),
                                              ("256MiB", 256 << 20)])
 def test_parse_size(text: str, value: int) -> None:
-    assert advice.parse_size(text) == value
+    assert parse_size(text) == value
 
 
 def test_codec_sizes() -> None:
     params = 125_000_000
-    assert advice.parse_codec("none").record_bytes(params) == 4 * params
-    assert advice.parse_codec("topk:0.01").record_bytes(params) == 0.01 * params * 8
-    assert advice.parse_codec("bf16").record_bytes(params) == 2 * params
-    psgd = advice.parse_codec("powersgd:4").record_bytes(params)
+    assert parse_codec("none").record_bytes(params) == 4 * params
+    assert parse_codec("topk:0.01").record_bytes(params) == 0.01 * params * 8
+    assert parse_codec("bf16").record_bytes(params) == 2 * params
+    psgd = parse_codec("powersgd:4").record_bytes(params)
     assert 0.001 * params < psgd < 0.1 * params  # rank 4 of ~870-wide matrices: ~0.03 B/param
     with pytest.raises(argparse.ArgumentTypeError):
-        advice.parse_codec("powersgd:0")
+        parse_codec("powersgd:0")

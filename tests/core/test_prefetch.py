@@ -26,7 +26,7 @@ from engine_runs import FaultyStorage, Truth, assert_state, flip, record_span, r
 from helpers import ROOT, subprocess_env
 
 from diffckpt import CorruptRecordError, StorageError, open_storage
-from diffckpt import store as store_module
+from diffckpt import runstore as store_module
 from diffckpt.format import decode_segment
 from diffckpt.runstore import ReadStats, RunStore
 from diffckpt.tree import pack_tree, unpack_tree

@@ -221,7 +221,7 @@ def test_rto_binds() -> None:
     scn = SCENARIOS["local-ssd"]
     free = simulate(scn, tuner_choice(scn, options_for(scn)))
     rto = free.max_recovery_s / 3
-    _, rbest, chosen, r = compare(scn, options_for(scn, rto_s=rto))
+    _, rbest, _chosen, r = compare(scn, options_for(scn, rto_s=rto))
     assert r.max_recovery_s <= rto < free.max_recovery_s
     assert rbest.max_recovery_s <= rto
 

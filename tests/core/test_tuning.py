@@ -1,6 +1,7 @@
 """Unit tests of the auto-tuner's policy (``diffckpt.tuning.model``) and its measurements
-(``diffckpt.tuning.meter``): option checks, the candidate grid under fixed knobs, hysteresis, how
-each constraint moves the choice, the write-cost fit, and when the meter is ready.
+(``diffckpt.tuning.meter``, ``diffckpt.tuning.probe``): option checks, the candidate grid under
+fixed knobs, hysteresis, how each constraint moves the choice, the write-cost fit, and when the
+meter is ready.
 
 ``test_tuner_sim.py`` checks the choices against a simulator; these check the pieces.
 """
@@ -13,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from diffckpt.tuning.meter import SKIPPED_STEPS, Meter, fit_write_cost
+from diffckpt.tuning.meter import SKIPPED_STEPS, Meter
 from diffckpt.tuning.model import (
     HYSTERESIS,
     WRITER_HEADROOM,
@@ -24,16 +25,18 @@ from diffckpt.tuning.model import (
     TuningOptions,
     expected_loss,
 )
+from diffckpt.tuning.probe import fit_write_cost
 
 MB = 1e6
 
 
 def meas(**kw: Any) -> Measurements:
     """A mid-sized job on network storage; keywords override."""
-    values: dict[str, Any] = dict(
-        step_s=0.2, record_s=1e-3, state_s=2e-3, diff_bytes=5 * MB, record_bytes=10 * MB, encode_s_per_byte=1e-9,
-        latency_s=0.01, bandwidth_bps=500 * MB, base_bytes=500 * MB, base_capture_s=0.05, base_encode_s=0.25,
-        replay_step_s=0.02, base_load_s=1.5, memory_bytes=1e9, steps=0)
+    values: dict[str, Any] = {
+        "step_s": 0.2, "record_s": 1e-3, "state_s": 2e-3, "diff_bytes": 5 * MB, "record_bytes": 10 * MB,
+        "encode_s_per_byte": 1e-9, "latency_s": 0.01, "bandwidth_bps": 500 * MB, "base_bytes": 500 * MB,
+        "base_capture_s": 0.05, "base_encode_s": 0.25, "replay_step_s": 0.02, "base_load_s": 1.5,
+        "memory_bytes": 1e9, "steps": 0}
     values.update(kw)
     return Measurements(**values)
 
@@ -148,7 +151,7 @@ def test_the_best_settings_stay() -> None:
 def test_writer_headroom_lengthens_segments() -> None:
     """Frequent failures favour one-step segments; on high-latency storage the writer could not
     keep up with them, so segments grow until it can."""
-    kw = dict(state_s=1e-4)
+    kw = {"state_s": 1e-4}
     fast, slow = meas(latency_s=1e-3, **kw), meas(latency_s=0.3, **kw)
     free = unconstrained_best(slow, mtbf_s=600)
     assert free.writer_utilization > WRITER_HEADROOM  # the constraint binds
@@ -159,8 +162,8 @@ def test_writer_headroom_lengthens_segments() -> None:
 
 def test_memory_caps_segments() -> None:
     """Dense records: a segment's records may take at most half of max_pending_bytes."""
-    kw = dict(record_bytes=200 * MB, diff_bytes=190 * MB, latency_s=0.05, bandwidth_bps=2e9, encode_s_per_byte=0.0,
-              state_s=4e-3)
+    kw = {"record_bytes": 200 * MB, "diff_bytes": 190 * MB, "latency_s": 0.05, "bandwidth_bps": 2e9,
+          "encode_s_per_byte": 0.0, "state_s": 4e-3}
     roomy, tight = meas(memory_bytes=16e9, **kw), meas(memory_bytes=1.2e9, **kw)
     assert unconstrained_best(tight).settings.segment_steps * tight.record_bytes > tight.memory_bytes / 2
     e_roomy, e_tight = choose(roomy), choose(tight)
@@ -172,7 +175,7 @@ def test_memory_caps_segments() -> None:
 def test_base_memory_stall_makes_bases_rarer() -> None:
     """A base that does not fit beside the records makes training wait for its write: the model
     charges that stall, so bases get rarer than when memory has room for them."""
-    kw = dict(base_bytes=400 * MB, bandwidth_bps=100 * MB, base_capture_s=0.04)
+    kw = {"base_bytes": 400 * MB, "bandwidth_bps": 100 * MB, "base_capture_s": 0.04}
     roomy, tight = meas(memory_bytes=4e9, **kw), meas(memory_bytes=256 * 2**20, **kw)
     s = Settings(10, 10, 500)
     o = TuningOptions()

@@ -435,7 +435,7 @@ def _measure(scn: Scenario, writer: _Writer, finished: list[float], restore_cost
 
 
 def grid_settings(*, every_n_steps: int | None = None, write_batch: int | None = None,
-                  base_every_n_steps: int | None | str = "auto", grid: Sequence[int], max_k: int,
+                  base_every_n_steps: int | str | None = "auto", grid: Sequence[int], max_k: int,
                   max_base: int) -> list[Settings]:
     """The settings the tuner's candidate families span, over ``grid`` (free knobs), bounded:
     restorable points where segments end (``every_n_steps = write_batch = k``) unless a knob is

@@ -135,7 +135,7 @@ def buffers_at(step: int) -> dict[str, torch.Tensor]:
 def simulate() -> dict[int, dict[str, torch.Tensor]]:
     """Parameters after each step, from a real ``torch.optim.SGD`` (exact: dyadic values)."""
     params = {k: torch.nn.Parameter(v.clone()) for k, v in initial_params().items()}
-    opt = torch.optim.SGD(list(params.values()), **{k: v for k, v in _hyper(0.5).items()})
+    opt = torch.optim.SGD(list(params.values()), **_hyper(0.5))
     out = {0: {k: p.detach().clone() for k, p in params.items()}}
     for step, (events, lr_after, _) in sorted(_STEPS.items()):
         for lr, grads in events:

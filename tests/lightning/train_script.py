@@ -223,6 +223,7 @@ def main(argv: list[str] | None = None) -> None:
 
         plugins.append(MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu")))
     if not args.no_lib:
+        from diffckpt import CheckpointOptions
         from lightning_ckpt import DiffCheckpoint, DiffCheckpointIO
 
         extra: dict = {}
@@ -245,9 +246,12 @@ def main(argv: list[str] | None = None) -> None:
             extra["retention"] = RetentionPolicy(**extra["retention"])
         if "base_every_n_steps" in extra:
             args.base_every = extra.pop("base_every_n_steps")
-        diff = DiffCheckpoint(args.dirpath, write_batch=args.write_batch, base_every_n_steps=args.base_every,
-                              fingerprint_every_n_steps=5, storage_options=args.storage_options,
-                              codec=make_codec(args.codec) if args.codec else None, **extra)
+        knobs = {k: extra.pop(k) for k in ("every_n_steps", "write_batch") if k in extra}
+        diff = DiffCheckpoint(args.dirpath, **{"write_batch": args.write_batch, **knobs},
+                              base_every_n_steps=args.base_every,
+                              options=CheckpointOptions(fingerprint_every_n_steps=5, **extra),
+                              storage_options=args.storage_options,
+                              codec=make_codec(args.codec) if args.codec else None)
         plugins.append(DiffCheckpointIO())
         callbacks.append(diff)
         if args.model_checkpoint:

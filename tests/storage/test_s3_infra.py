@@ -155,7 +155,7 @@ def test_pause_holds_put_until_release(s3_bucket: S3Target, s3_via_proxy: S3Targ
     def upload() -> None:
         try:
             s3_via_proxy.fs().pipe_file(_key(s3_via_proxy, "held"), b"x" * 1000)
-        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+        except BaseException as exc:  # reported by the main thread
             errors.append(exc)
 
     thread = threading.Thread(target=upload)

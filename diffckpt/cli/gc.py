@@ -1,0 +1,86 @@
+"""``diffckpt gc URL``: show what a retention policy would delete (the policy given on the command
+line, else the one the run's newest session recorded) and delete it only with ``--apply``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from ..lifecycle.retention import GcPlan, RetentionPolicy, apply_gc, plan_gc, recorded_policy
+from ..units import format_bytes, parse_duration, parse_positive
+from .common import bar, open_run, progress, table
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``gc`` command's own arguments: a retention policy, the age of leftovers, ``--apply``."""
+    p.add_argument("--keep-last-bases", type=parse_positive, metavar="N",
+                   help="keep the N newest bases and every step from the oldest of them on")
+    p.add_argument("--keep-every-n-steps", type=parse_positive, metavar="K",
+                   help="keep one restorable step per K steps (a base in the window if any)")
+    p.add_argument("--keep-newer-than", type=parse_duration, metavar="AGE",
+                   help="keep everything written within AGE (e.g. 12h, 7d)")
+    p.add_argument("--min-age", type=_age, default=3600.0, metavar="AGE",
+                   help="remove leftovers of interrupted writes once this old (default 1h)")
+    p.add_argument("--apply", action="store_true", help="delete (default: dry run, only show what would go)")
+
+
+def _age(text: str) -> float:
+    """A duration that may be zero (remove every leftover now, when no writer is at work)."""
+    return 0.0 if text.strip().rstrip("smhd") in ("0", "0.0") else parse_duration(text)
+
+
+def _policy(args: argparse.Namespace, store: Any) -> tuple[RetentionPolicy, str]:
+    given = {"keep_last_bases": args.keep_last_bases, "keep_every_n_steps": args.keep_every_n_steps,
+             "keep_newer_than_s": args.keep_newer_than}
+    if any(v is not None for v in given.values()):
+        return RetentionPolicy(**given, min_age_s=args.min_age), "given"
+    recorded = recorded_policy(store)
+    if recorded is None:
+        return RetentionPolicy(min_age_s=args.min_age), "none given or recorded: every step is kept"
+    return recorded, "recorded by the run's newest session"
+
+
+def _describe_policy(policy: RetentionPolicy) -> str:
+    parts = [f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in
+             (("keep_last_bases", policy.keep_last_bases), ("keep_every_n_steps", policy.keep_every_n_steps),
+              ("keep_newer_than_s", policy.keep_newer_than_s), ("min_age_s", policy.min_age_s)) if v is not None]
+    return " ".join(parts)
+
+
+def _render_gc(plan: GcPlan, policy: RetentionPolicy, source: str, applied: bool) -> str:
+    head = "" if applied else " (dry run: nothing deleted; pass --apply to delete)"
+    lines = [f"gc {plan.url}{head}", f"policy: {_describe_policy(policy)} ({source})", "", "kept restorable steps"]
+    lines += table(["steps", "gen", "why"], [[f"{k.base}..{k.step}" if k.base < k.step else str(k.step),
+                                              f"g{k.gen}", "; ".join(k.reasons)] for k in plan.kept])
+    verb = "deleted" if applied else "would delete"
+    lines += ["", f"{verb} {plan.objects} object{'s' * (plan.objects != 1)}, "
+                  f"{format_bytes(plan.bytes)} ({plan.bytes} B)"]
+    rows = [[f"base {b.step} (g{b.gen})", format_bytes(sum(plan.sizes.get(p, 0) for p in plan.base_files[b])),
+             b.dir] for b in plan.bases]
+    rows += [["segment", format_bytes(plan.sizes.get(s.path, 0)), s.path] for s in plan.segments]
+    rows += [[x.kind, format_bytes(x.size), x.path] for x in plan.leftovers]
+    if rows:
+        lines += table(["what", "size", "path"], rows)
+    for path in plan.kept_beyond_gaps:
+        lines.append(f"note: kept {path}: it lies beyond a gap in its session's chain (restores cannot "
+                     "reach it); delete it by hand once the missing segment is gone for good")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Plan what the policy no longer keeps; delete it with ``--apply``."""
+    store, _, _ = open_run(args)
+    policy, source = _policy(args, store)
+    plan = plan_gc(store, policy)
+    if args.apply and plan.objects:
+        apply_gc(store, plan, lambda i, n, path: bar(i, n, "deleting", path))
+        plan.applied = True
+        progress()
+    if args.json:
+        print(json.dumps({**plan.to_json(), "policy": _describe_policy(policy)}, indent=2))
+    else:
+        print(_render_gc(plan, policy, source, plan.applied))
+    return 0

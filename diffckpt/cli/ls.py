@@ -1,0 +1,155 @@
+"""``diffckpt ls URL``: a run's sessions (with the settings they ran with and what the auto-tuner
+chose), its bases and segments, the sizes they take, and how to resume its newest durable step."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from ..codecs import codec_from_config
+from ..errors import DiffCkptError
+from ..format import BaseName, decode_commit
+from ..inventory import Inventory
+from ..runstore import RunStore
+from ..units import format_bytes
+from .common import open_run, table, when
+
+__all__ = ["describe", "render", "run"]
+
+
+def _flat(options: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    """``retry={"budget_s": 60}`` as ``retry.budget_s=60``, sorted."""
+    out: list[tuple[str, Any]] = []
+    for key, value in sorted(options.items()):
+        out += _flat(value, f"{prefix}{key}.") if isinstance(value, dict) else [(f"{prefix}{key}", value)]
+    return out
+
+
+def _shown(key: str, value: Any, options: dict[str, Any]) -> bool:
+    """Settings worth a place in ``ls``: tuning only when tuned, compaction and retention when set."""
+    if key.startswith("tuning."):
+        return _auto(options)
+    if key in ("retention", "compact_every_n_steps"):
+        return value is not None
+    return key != "compact_device" or options.get("compact_every_n_steps") is not None
+
+
+def _compacted(store: RunStore, base: BaseName) -> dict[str, Any] | None:
+    """What a compacted base's COMMIT says about it (``None``: training wrote it, or unreadable)."""
+    try:
+        info = decode_commit(store.storage.read(base.commit_path), base.commit_path)
+    except DiffCkptError:
+        return None
+    compacted = info.get("compacted")
+    return compacted if isinstance(compacted, dict) else None
+
+
+def _codec_name(config: dict[str, Any]) -> str:
+    try:
+        return codec_from_config(config).name
+    except (ValueError, TypeError, KeyError):
+        return str(config.get("codec"))
+
+
+def _auto(options: dict[str, Any]) -> bool:
+    """Whether a session left a knob to the auto-tuner (its ``tuning`` options matter then)."""
+    return "auto" in (options.get("every_n_steps"), options.get("write_batch"), options.get("base_every_n_steps"))
+
+
+def _every(options: dict[str, Any]) -> str:
+    # With every_n_steps > 1, only every n-th step of a durable range is restorable.
+    n = options.get("every_n_steps", 1)
+    if n == "auto":
+        return " every n (auto-tuned)"
+    return f" every {n}" if isinstance(n, int) and n > 1 else ""
+
+
+def describe(store: RunStore, inv: Inventory) -> dict[str, Any]:
+    """Everything ``ls`` shows, as plain JSON-able data (``--json`` prints it as is)."""
+    url, sizes = store.storage.url.rstrip("/"), inv.sizes
+    sessions = []
+    for gen in sorted(set(inv.sessions) | {b.gen for b in inv.bases}):
+        try:
+            meta: dict[str, Any] = store.session_meta(gen)
+        except (ValueError, DiffCkptError):
+            meta = {"damaged": True}  # `verify` names it; listing the rest is still useful
+        newest = inv.newest_step(gen)
+        sessions.append({
+            "gen": gen, "started": meta.get("started"), "resumed_from": meta.get("resumed_from"),
+            "options": meta.get("options", {}), "optimizers": meta.get("optimizers", []),
+            "framework": meta.get("framework"), "codec": meta.get("codec"), "durable": inv.durable_spans(gen),
+            "newest_step": newest, "ckpt_path": None if newest is None else f"{url}/step={newest}",
+            "damaged": bool(meta.get("damaged")), "tuning": store.tuning_log(gen)})
+    bases: list[dict[str, Any]] = [
+        {"step": b.step, "gen": b.gen, "path": b.dir,
+         "bytes": sum(n for p, n in sizes.items() if p.startswith(b.dir + "/")),
+         "compacted": _compacted(store, b)}
+        for b in sorted(inv.bases, key=lambda b: (b.gen, b.step))]  # grouped by session
+    segments: list[dict[str, Any]] = [
+        {"after": s.after, "last": s.last, "gen": s.gen, "steps": s.last - s.after,
+         "bytes": sizes.get(s.path, 0), "path": s.path}
+        for s in sorted(inv.segments, key=lambda s: (s.gen, s.after, s.last))]
+    base_bytes = sum(b["bytes"] for b in bases)
+    diff_bytes = sum(s["bytes"] for s in segments)
+    diff_steps = sum(s["steps"] for s in segments)
+    total = sum(sizes.values())
+    # What ckpt_path=<root> resumes: the newest session with a base, as RunStore.plan decides.
+    newest_run = next(({"gen": g, "step": n, "ckpt_path": url} for g in inv.gens()
+                       if (n := inv.newest_step(g)) is not None), None)
+    avg = round(diff_bytes / diff_steps) if diff_steps else None
+    return {
+        "url": url, "newest": newest_run, "sessions": sessions, "bases": bases,
+        "segments": segments,
+        "totals": {"bytes": total, "base_bytes": base_bytes, "diff_bytes": diff_bytes,
+                   "other_bytes": total - base_bytes - diff_bytes, "diff_steps": diff_steps,
+                   "avg_diff_bytes_per_step": avg},
+    }
+
+
+def render(d: dict[str, Any]) -> str:
+    url, newest, t = d["url"], d["newest"], d["totals"]
+    accelerate = any(str(s["framework"] or "").startswith("accelerate") for s in d["sessions"][-1:])
+    how = (f'DiffCheckpointer(accelerator, "{url}").restore("last")' if accelerate else
+           f'ckpt_path="{url}" (or "last" with DiffCheckpoint)')
+    lines = [f"run {url}", "no durable step yet (no committed base)" if newest is None else
+             f'newest durable step {newest["step"]} (g{newest["gen"]}): {how}', "", "sessions"]
+    lines += table(["gen", "started", "resumed_from", "durable", "newest", "ckpt_path"], [
+        [f"g{s['gen']}", "damaged" if s["damaged"] else when(s["started"]), str(s["resumed_from"]),
+         (", ".join(f"{lo}..{hi}" for lo, hi in s["durable"]) or "-") + _every(s["options"]),
+         str(s["newest_step"] if s["newest_step"] is not None else "-"), s["ckpt_path"] or "-"]
+        for s in d["sessions"]])
+    lines += [f"  g{s['gen']} settings: " + " ".join(f"{k}={v}" for k, v in _flat(s["options"])
+                                                 if _shown(k, v, s["options"]))
+              + (f" codec={_codec_name(s['codec'])}" if s["codec"] else "")
+              for s in d["sessions"] if s["options"]]
+    lines += [f"  g{s['gen']} auto-tuned: " + "; ".join(
+        f"step {t.get('step')}: " + " ".join(f"{k}={v}" for k, v in (t.get("settings") or {}).items())
+        for t in s["tuning"]) for s in d["sessions"] if s.get("tuning")]
+    lines += ["", "bases", *table(["step", "gen", "size", "path"], [
+        [str(b["step"]), f"g{b['gen']}", format_bytes(b["bytes"]), b["path"]] for b in d["bases"]])]
+    lines += [f"  compacted: {b['step']} (g{b['gen']}) from base {c.get('from_base')}, "
+              + (f"verified at step {b['step']}" if c.get("verified_through") == b["step"] else
+                 f"fingerprints matched through step {c.get('verified_through')}")
+              for b in d["bases"] if (c := b["compacted"])]
+    lines += ["", "segments", *table(["after..last", "gen", "steps", "size", "path"], [
+        [f"{s['after']}..{s['last']}", f"g{s['gen']}", str(s["steps"]), format_bytes(s["bytes"]),
+         s["path"]] for s in d["segments"]])]
+    lines += ["", "totals"] + [f"  {label:<10}  {format_bytes(t[key])} ({t[key]} B)" for label, key in
+                               (("on storage", "bytes"), ("bases", "base_bytes"))]
+    diffs = f"{format_bytes(t['diff_bytes'])} ({t['diff_bytes']} B)"
+    if t["diff_steps"]:
+        avg = format_bytes(t["avg_diff_bytes_per_step"])
+        diffs += f" over {t['diff_steps']} steps, {avg} per step"
+    lines += [f"  diffs       {diffs}",
+              f"  other       {format_bytes(t['other_bytes'])} ({t['other_bytes']} B)", "",
+              "resume any durable step N with " + (
+                  "DiffCheckpointer(...).restore(N)" if accelerate else f'ckpt_path="{url}/step=N"')]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the run named by ``args.url``: as text, or as JSON with ``--json``."""
+    d = describe(*open_run(args)[:2])
+    print(json.dumps(d, indent=2) if args.json else render(d))
+    return 0

@@ -1,0 +1,341 @@
+"""The writing process's half of the engine: one session's capture, records, bases and restore.
+
+:class:`Recorder` is what :class:`~diffckpt.CheckpointEngine` is built on, and what a
+single-process loop may call directly: :meth:`~Recorder.start` once the optimizers exist, then
+after each training step :meth:`~Recorder.record_step` (and :meth:`~Recorder.write_base` when
+:meth:`~Recorder.wants_base` says so), finally :meth:`~Recorder.close`. To resume,
+:meth:`~Recorder.restore` replays onto the caller's model and optimizers. Nothing here talks to
+other processes: :mod:`diffckpt.engine` does, and decides who records.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+import torch
+
+from .capture import StepCapture, clone_tree, group_hyperparams, tree_nbytes
+from .codecs.compressor import GradientCompressor
+from .errors import DiffCkptError
+from .lifecycle.maintenance import Maintenance
+from .options import CheckpointOptions
+from .policies import IntervalPolicy, StepContext
+from .replay import ReplayResult, replay
+from .runstore import RunStore
+from .storage import Storage, open_storage
+from .storage.retry import unwrap
+from .tuning.model import Decision, Settings
+from .tuning.online import OnlineTuning
+from .writer import BackgroundWriter
+
+__all__ = ["Recorder"]
+
+log = logging.getLogger("diffckpt")
+
+
+class Recorder:
+    """One model and its optimizers recorded into one run root, by the process that writes.
+
+    Args:
+        dirpath: local path, fsspec URL (``memory://``, ``s3://``, ...) or a :class:`Storage`.
+        options: capture, batching and base settings.
+        storage_options: passed to fsspec (credentials, endpoint, ...).
+    """
+
+    def __init__(self, dirpath: str | os.PathLike[str] | Storage, options: CheckpointOptions | None = None,
+                 storage_options: dict[str, Any] | None = None) -> None:
+        self.options = options or CheckpointOptions()
+        self.storage_options = dict(storage_options or {})
+        self.storage = open_storage(dirpath, retry=self.options.retry, **self.storage_options)
+        self.store = RunStore(self.storage)
+        self.policy = IntervalPolicy()
+        self.writer: BackgroundWriter | None = None
+        self.capture: StepCapture | None = None
+        self.module: torch.nn.Module | None = None
+        self._prev_step = 0
+        self._last_base = 0
+        self._buffer_names: list[str] = []
+        self._durable: int | None = None
+        self.tuning = OnlineTuning(self.options)
+        self.maintenance: Maintenance | None = None
+
+    @property
+    def storage_is_local(self) -> bool:
+        """Whether the run root is on a local file system."""
+        return bool(getattr(unwrap(self.storage), "local", False))
+
+    def run_exists(self) -> bool:
+        """Whether the run root holds a run (``run.json``), durable steps or not."""
+        return self.store.is_run()
+
+    def mark_update_start(self) -> None:
+        """The gradients are final and the optimizer update begins now (for the tuner's timing of
+        updates, when the framework runs forward and backward inside ``optimizer.step``)."""
+        if self.capture is not None:
+            self.capture.mark_update_start()
+
+    # ------------------------------------------------------------------ training
+    @property
+    def started(self) -> bool:
+        return self.writer is not None
+
+    def start(self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer], step: int,
+              meta: dict[str, Any] | None = None, compressor: GradientCompressor | None = None) -> int:
+        """Open a writer session continuing from ``step``; return its generation number.
+
+        The caller writes the starting base right after (``write_base(step, ...)``). With a
+        ``compressor`` (compressed training), steps are recorded as its payloads.
+        """
+        if self.writer is not None:
+            raise DiffCkptError("start() called twice; close() the running session first")
+        self.capture = StepCapture(optimizers, compressor)
+        params = dict(module.named_parameters())
+        self._buffer_names = [k for k in module.state_dict() if k not in params]
+        names = {id(p): n for n, p in params.items()}
+        body = {"options": dataclasses.asdict(self.options), "host": socket.gethostname(), "pid": os.getpid(),
+                "optimizer_params": [[[names.get(id(p), "") for p in g["params"]] for g in o.param_groups]
+                                     for o in optimizers],
+                "resumed_from": step,
+                "optimizers": [f"{type(o).__module__}.{type(o).__qualname__}" for o in optimizers],
+                "parameters": [[k, list(p.shape)] for k, p in params.items()],
+                "codec": None if compressor is None else compressor.codec.config(), **(meta or {})}
+        if self.tuning.restore_timing is not None:
+            load_s, replay_s = self.tuning.restore_timing
+            body["restore_timing"] = {"base_load_s": load_s, "replay_step_s": replay_s}
+        gen = self.store.start_session(body)
+        self.module = module
+        self.writer = BackgroundWriter(self.store, gen, self.options, after=step,
+                                       write_batch=self.tuning.settings.write_batch)
+        self.tuning.start(step, self.writer, self._base_bytes_now)
+        self._prev_step = self._last_base = step
+        o, writer = self.options, self.writer
+        if o.compact_every_n_steps is not None or o.retention is not None:
+            self.maintenance = Maintenance(
+                self.storage, lambda: (writer.durable_step, self._last_base, writer.stats.bases),
+                compact_every_n_steps=o.compact_every_n_steps, retention=o.retention, device=o.compact_device)
+        return gen
+
+    def _context(self, step: int) -> StepContext:
+        s = self.tuning.settings
+        return StepContext(step, self._last_base, s.every_n_steps, s.base_every_n_steps,
+                           self.options.fingerprint_every_n_steps)
+
+    # ------------------------------------------------------------------- tuning
+    @property
+    def settings(self) -> Settings:
+        """``every_n_steps``, ``write_batch`` and ``base_every_n_steps`` in force (the tuner's
+        choice for those on ``"auto"``)."""
+        return self.tuning.settings
+
+    def review_due(self, step: int) -> bool:
+        """Whether the auto-tuner reviews its settings at ``step`` (the same on every DDP rank):
+        the writer then calls :meth:`review`, the other ranks :meth:`adopt` what it chose."""
+        return self.tuning.review_due(step)
+
+    def review(self, step: int) -> Decision | None:
+        """Let the auto-tuner review the measurements and apply what it decides (writer only)."""
+        return self.tuning.review(step)
+
+    def adopt(self, settings: Settings, next_review: int) -> None:
+        """Take the writer's settings and its next review step (DDP ranks other than 0)."""
+        self.tuning.adopt(settings, next_review)
+
+    def measuring_state(self) -> contextlib.AbstractContextManager[None]:
+        """Time the adapter's work to build a restorable step's state, for the tuner."""
+        return self.tuning.measuring_state()
+
+    def _base_bytes_now(self) -> int:
+        """Bytes of model and optimizer state a base would copy now."""
+        if self.module is None or self.capture is None:
+            return 0
+        return tree_nbytes(self.module.state_dict()) + sum(
+            tree_nbytes(o.state_dict()["state"]) for o in self.capture.optimizers)
+
+    def wants_state(self, step: int) -> bool:
+        """Whether ``step`` is a restorable point, so the caller should pass its state."""
+        return self.policy.wants_state(self._context(step))
+
+    def wants_base(self, step: int) -> bool:
+        return self.policy.wants_base(self._context(step))
+
+    def join(self, step: int) -> None:
+        """Keep the clock of a process that does not write (DDP ranks other than 0) from a
+        session that starts at ``step``, as :meth:`start` does for the writer."""
+        self._prev_step = self._last_base = step
+        self.tuning.join(step)
+
+    def follow(self, step: int, base: bool) -> None:
+        """Keep the step/base clock of a process that does not write (DDP ranks other than 0), so
+        that its decisions match the writer's."""
+        self._prev_step = step
+        if base:
+            self._last_base = step
+
+    def record_step(self, step: int, state: Any | None) -> None:
+        """Record what the optimizer steps since the previous call consumed.
+
+        Args:
+            step: the step counter after these optimizer steps (strictly increasing).
+            state: framework state at this step (loops, schedulers, RNG...), or ``None`` if this
+                step is not a restorable point. Copied here; tensors are cloned.
+        """
+        writer, capture, module = self._require()
+        if step <= self._prev_step:
+            raise DiffCkptError(f"step {step} recorded after step {self._prev_step}; steps must increase")
+        entered = time.perf_counter()
+        copy_s, update_s = capture.copy_s, capture.update_s
+        events = capture.take()
+        buffers = dict(module.named_buffers())
+        record: dict[str, Any] = {
+            "step": step,
+            "prev": self._prev_step,
+            "events": events,
+            "param_groups": [group_hyperparams(o) for o in capture.optimizers],
+            "buffers": {k: buffers[k].detach().clone() for k in self._buffer_names if k in buffers},
+            "state": None,
+        }
+        step_bytes = tree_nbytes(record)
+        state_start = time.perf_counter()
+        if state is not None:
+            record["state"] = clone_tree(state)
+        state_s = time.perf_counter() - state_start
+        # Not state cost: fingerprints come every fingerprint_every_n_steps whatever the tuner picks.
+        if state is not None and self.policy.wants_fingerprint(self._context(step)):
+            record["fingerprint_params"] = [p.detach().clone() for p in module.parameters()]
+        # The step's part was counted above; add only what was attached since (no second walk).
+        nbytes = step_bytes + tree_nbytes(record["state"]) + tree_nbytes(record.get("fingerprint_params", []))
+        stalled = writer.stats.stall_seconds
+        writer.put_record(record, nbytes)
+        self._prev_step = step
+        if self.maintenance is not None:
+            self.maintenance.poke()
+        self.tuning.note_record(entered, time.perf_counter(), copy_s=copy_s, update_s=update_s,
+                                state_s=None if state is None else state_s,
+                                stalled=writer.stats.stall_seconds - stalled, record_bytes=step_bytes)
+
+    def write_base(self, step: int, model_state: dict[str, Any], optimizer_states: list[dict[str, Any]],
+                   state: Any, codec_states: list[dict[str, torch.Tensor]] | None = None) -> None:
+        """Queue a full snapshot at ``step`` (the step's record must already be recorded).
+
+        ``codec_states`` is every rank's codec state (:meth:`GradientCompressor.state_dict`), in
+        rank order, for a codec that keeps state.
+        """
+        writer, _, module = self._require()
+        start = time.perf_counter()
+        tree = clone_tree({"model": model_state, "optimizers": optimizer_states, "state": state})
+        if codec_states and any(codec_states):
+            tree["codec"] = clone_tree(list(codec_states))
+        names = [n for n, _ in module.named_parameters()]
+        missing = [n for n in names if n not in tree["model"]]
+        if missing:
+            raise DiffCkptError(f"model state for the base lacks parameters {missing[:3]}")
+        stalled = writer.stats.stall_seconds
+        writer.put_base(step, tree, [tree["model"][n] for n in names], tree_nbytes(tree))
+        self._last_base = step
+        done = time.perf_counter()
+        self.tuning.note_base(done - start - (writer.stats.stall_seconds - stalled), tree_nbytes(tree), done)
+
+    def flush(self, timeout: float | None = None) -> int | None:
+        """Block until everything captured is durable; return the durable step.
+
+        Raises:
+            TimeoutError: not durable within ``timeout`` seconds (writing goes on).
+            StorageUnavailableError: storage is in an outage and ``on_storage_error="raise"``.
+        """
+        return self.writer.flush(timeout) if self.writer else None
+
+    def check(self) -> None:
+        """Raise a background error on the calling thread, if one happened."""
+        if self.writer:
+            self.writer.check()
+
+    @property
+    def durable_step(self) -> int | None:
+        """Newest step the current (or last) session made durable; still valid after
+        :meth:`close` and after a background write failed, when ``close()`` raised instead."""
+        return self.writer.durable_step if self.writer else self._durable
+
+    def close(self, timeout: float | None = None) -> int | None:
+        """Flush, stop the writer and remove the capture hooks; return the durable step.
+
+        A background error is raised here if it was not raised before, or again if it was; the
+        session is closed either way and :attr:`durable_step` tells how far it got.
+
+        Args:
+            timeout: give up flushing after this many seconds, logging which steps are durable
+                and which are lost (for preemption: see ``CheckpointOptions.flush_timeout_s``).
+                ``None`` waits as ``on_storage_error`` says.
+        """
+        durable = None
+        try:
+            if self.writer:
+                durable = self.writer.close(timeout)
+        finally:
+            if self.maintenance is not None:
+                # A normal end: a last retention pass over what is now durable. Interrupted
+                # (a timeout given): no more work, and no wait for a compaction under way (it
+                # commits nothing half done; what it leaves is removed as a leftover).
+                self.maintenance.close(self.options.flush_timeout_s if timeout is None else 0.0,
+                                       final=timeout is None)
+                self.maintenance = None
+            if self.capture:
+                self.capture.remove()
+            if self.writer:
+                self._durable = self.writer.durable_step
+            self.writer = self.capture = None
+        return durable
+
+    def _require(self) -> tuple[BackgroundWriter, StepCapture, torch.nn.Module]:
+        if self.writer is None or self.capture is None or self.module is None:
+            raise DiffCkptError("start() must be called before recording steps")
+        return self.writer, self.capture, self.module
+
+    # ------------------------------------------------------------------- restore
+    def restore(self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
+                step: int | None = None, verify: bool = True, compressor: GradientCompressor | None = None,
+                rank: int = 0) -> ReplayResult:
+        """Load ``step`` (``None``: newest durable) into ``module`` and ``optimizers`` by replay.
+
+        With a ``compressor``, its codec state is restored too: rank ``rank``'s state saved with
+        the base when ``step`` is a base step (exact end to end), else the state the replayed
+        payloads carry (error-feedback residuals restart from zero).
+
+        For ``None``, damage (a missing or corrupt segment, an unusable base) makes it restore the
+        newest step that can still be rebuilt, with a warning; for an explicit step it raises.
+        Older bases of the same session stand in for a damaged one (see
+        :meth:`RunStore.open_plan`).
+
+        Raises:
+            CheckpointNotFoundError: nothing durable under the run root, or ``step`` is not durable.
+            CorruptRecordError: an explicit step cannot be rebuilt, or no base can be loaded.
+            IncompatibleCheckpointError: the checkpoint was written for another model or optimizer;
+                ``module`` and ``optimizers`` are then left untouched.
+            ReplayMismatchError: replay diverged from the fingerprints recorded in training;
+                ``module`` and ``optimizers`` are then partly replayed and must not be used.
+        """
+        start = time.perf_counter()
+        plan, info, base = self.store.open_plan(step)
+        loaded = time.perf_counter()
+        ctx = self.capture.paused() if self.capture else contextlib.nullcontext()
+        with ctx, compressor.paused() if compressor else contextlib.nullcontext():
+            result = replay(self.store, plan, module, optimizers, verify=verify, loaded=(info, base))
+        replayed = time.perf_counter() - loaded
+        self.tuning.note_restore(loaded - start, replayed / result.replayed if result.replayed else None)
+        log.info("diffckpt: restored step %d from base %d (read in %.2f s): replayed %d steps in "
+                 "%.2f s (%.1f steps/s, %.1f MiB/s)", result.step, result.base_step, loaded - start,
+                 result.replayed, result.replay_s, result.steps_per_s, result.read_mib_per_s)
+        if compressor is not None:
+            if result.codec_config != compressor.codec.config():  # another codec, or none, trained
+                compressor.restore(None, {})
+            else:
+                states = result.codec_states if result.step == result.base_step else None
+                compressor.restore(states[rank] if states and rank < len(states) else None,
+                                   result.codec_payloads)
+        return result
+

@@ -1,0 +1,82 @@
+"""What diffckpt needs from a store: the :class:`Storage` protocol, and the optional
+capabilities of :class:`InspectableStorage`.
+
+Everything above ``diffckpt.storage`` reads and writes whole objects through :class:`Storage`.
+Garbage collection can do more where a store can say more (when each object was written,
+temporary files, multipart uploads that never completed); a store says so by implementing
+:class:`InspectableStorage`, and ``isinstance(storage, InspectableStorage)`` is the one test.
+Paths are relative to the run root and use ``/``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+__all__ = ["Buffer", "Data", "InspectableStorage", "Storage", "as_bytes"]
+
+Buffer = bytes | memoryview
+Data = bytes | Sequence[Buffer]
+
+
+def as_bytes(data: Data) -> bytes:
+    """``data`` as one bytes object (joins a list of buffers)."""
+    return data if isinstance(data, bytes) else b"".join(data)
+
+
+@runtime_checkable
+class Storage(Protocol):
+    """What the engine needs from a store: atomic whole-object writes and plain reads."""
+
+    url: str
+
+    def write(self, path: str, data: Data) -> None:
+        """Write ``data`` (bytes, or buffers to concatenate) so that readers see the whole object
+        or nothing."""
+
+    def create(self, path: str, data: bytes) -> bool:
+        """Write ``data`` only if ``path`` does not exist, atomically; return whether it did not
+        (two writers racing for a name: exactly one gets ``True``)."""
+
+    def read(self, path: str) -> bytes:
+        """Return the whole object; raise :class:`CheckpointNotFoundError` if it is absent."""
+
+    def list(self, prefix: str) -> dict[str, int]:
+        """Return ``{relative path: size}`` for every committed object under ``prefix``."""
+
+    def delete(self, path: str) -> None:
+        """Remove an object; absent objects are ignored."""
+
+    def exists(self, path: str) -> bool:
+        """Whether an object is present."""
+
+
+@runtime_checkable
+class InspectableStorage(Protocol):
+    """Optional capabilities of a :class:`Storage`: describing what it holds beyond
+    :meth:`Storage.list`, and cleaning up uploads that never completed.
+
+    Garbage collection uses them where a storage has them: with modification times it can tell
+    leftovers of interrupted writes that are old enough to remove from those of a writer still at
+    work (without them nothing counts as old), and incomplete multipart uploads are found and
+    aborted. :class:`~diffckpt.storage.FsspecStorage` implements all of it; the wrappers of
+    :func:`~diffckpt.storage.open_storage` implement it exactly when the storage they wrap does.
+
+    ``isinstance`` checks that the methods exist; on Python 3.12 and later it does not see
+    methods that a wrapper forwards through ``__getattr__``, so a wrapper defines them.
+    """
+
+    def details(self, prefix: str, hidden: bool = False) -> dict[str, tuple[int, float | None]]:
+        """``{relative path: (size, modification time or None)}`` under ``prefix``; with
+        ``hidden``, also the dot-files that :meth:`Storage.list` leaves out (temporary files)."""
+
+    def stat(self, path: str) -> tuple[int, float | None]:
+        """``(size, modification time or None)`` of one object, without reading it; raise
+        :class:`CheckpointNotFoundError` if there is no object at ``path``."""
+
+    def incomplete_uploads(self) -> list[tuple[str, str, float | None]]:
+        """``(relative key, upload id, start time or None)`` of every upload under the root
+        that was started and neither completed nor aborted (empty where there are none)."""
+
+    def abort_upload(self, path: str, upload_id: str) -> None:
+        """Abort an incomplete upload, so that its parts stop taking space."""
