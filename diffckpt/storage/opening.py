@@ -20,7 +20,6 @@ from .retry import RetryingStorage, RetryPolicy
 __all__ = ["open_storage"]
 
 
-
 class _Explained:
     """A caller's :class:`Storage` whose bare ``OSError`` is turned into a :class:`StorageError`
     with the explanation :class:`FsspecStorage` gives (full disk, read-only, ...).

@@ -18,7 +18,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..errors import StorageError
-from ..options import CheckpointOptions
+from ..options import (
+    DEFAULT_BASE_EVERY_N_STEPS,
+    DEFAULT_EVERY_N_STEPS,
+    DEFAULT_WRITE_BATCH,
+    CheckpointOptions,
+)
 from ..runstore import tuning_path
 from ..writer import BackgroundWriter
 from .meter import Meter
@@ -38,9 +43,11 @@ class OnlineTuning:
     def __init__(self, options: CheckpointOptions) -> None:
         o = self.options = options
         self.settings = Settings(
-            every_n_steps=1 if o.every_n_steps == AUTO else int(o.every_n_steps),
-            write_batch=8 if o.write_batch == AUTO else int(o.write_batch),
-            base_every_n_steps=500 if o.base_every_n_steps == AUTO else o.base_every_n_steps)  # type: ignore[arg-type]
+            # "auto" starts from the defaults until the first review decides
+            every_n_steps=DEFAULT_EVERY_N_STEPS if o.every_n_steps == AUTO else int(o.every_n_steps),
+            write_batch=DEFAULT_WRITE_BATCH if o.write_batch == AUTO else int(o.write_batch),
+            base_every_n_steps=DEFAULT_BASE_EVERY_N_STEPS if o.base_every_n_steps == AUTO
+            else o.base_every_n_steps)  # type: ignore[arg-type]
         self.tuner = AutoTuner(o.tuning, o.every_n_steps, o.write_batch, o.base_every_n_steps) if o.auto else None
         self.meter: Meter | None = None
         self.decisions: list[dict[str, Any]] = []  # the changes of the current session

@@ -23,7 +23,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from ..options import CheckpointOptions
+from ..options import DEFAULT_BASE_EVERY_N_STEPS, CheckpointOptions
 from ..storage import RetryPolicy
 from ..units import DAY, format_bytes, format_duration, format_percent, format_rate
 from .host import HostCosts, measure_host
@@ -42,7 +42,7 @@ from .sizing import ModelSpec
 __all__ = ["FIXED", "FIXED_BASE_EVERY", "NOTE", "STATE_S", "advise", "build_measurements", "snippet"]
 
 STATE_S = 1e-3  # loop state, schedulers and RNG of a restorable point: about a millisecond
-FIXED_BASE_EVERY = 500
+FIXED_BASE_EVERY = DEFAULT_BASE_EVERY_N_STEPS  # the comparison's fixed rows use the default
 FIXED = [(n, b, FIXED_BASE_EVERY) for n in (1, 10, 100) for b in (1, 16)]  # the comparison's rows
 NOTE = ('planning estimate: with every_n_steps="auto" (and the other knobs on "auto"), training '
         "re-measures all of this online and re-tunes as it goes")
