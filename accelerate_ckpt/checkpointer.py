@@ -263,7 +263,7 @@ class DiffCheckpointer:
     # ------------------------------------------------- accelerator.save_state / load_state
     def base_now(self) -> int | None:
         """For ``save_state``: make the current step a base and wait until it is durable (every
-        rank calls this); return the durable step on the main process, ``None`` elsewhere."""
+        rank calls this); return the durable step where this process writes, ``None`` elsewhere."""
         self._saving = True
         try:
             if not self._started:
@@ -272,7 +272,7 @@ class DiffCheckpointer:
                 self.engine.make_restorable(self.step, StepState(self), base=True)
         finally:
             self._saving = False
-        return self.engine.flush() if self.engine.is_main_process else None
+        return self.engine.flush()
 
     def restore_reference(self, url: str, step: int) -> int:
         """Restore ``step`` of the run at ``url`` (this run root or another one)."""
@@ -306,9 +306,7 @@ class DiffCheckpointer:
             self._save_state.remove()
             self._sigterm.uninstall()
             # Also when recording failed: what is queued still gets written.
-            durable = self.engine.end(reason, timeout)
-            if self.engine.is_main_process:
-                self.durable_step = durable
+            self.durable_step = self.engine.end(reason, timeout)
         return self.durable_step
 
     def __enter__(self) -> DiffCheckpointer:
