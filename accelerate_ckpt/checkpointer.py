@@ -227,13 +227,7 @@ class DiffCheckpointer:
         if self._started:
             raise DiffCkptError("restore() must be called before training starts (before the first "
                                 "batch or optimizer step after DiffCheckpointer was created)")
-        if step in ("last", None):
-            target = None
-        elif isinstance(step, int) and not isinstance(step, bool):
-            target = step
-        else:
-            raise ValueError(f"step must be 'last' or a step number, got {step!r}")
-        result = self.engine.resume(self.module, self.optimizers, target, compressor=self.compressor,
+        result = self.engine.resume(self.module, self.optimizers, step, compressor=self.compressor,
                                     missing_ok=True)
         return 0 if result is None else self._restored(result, self.url)
 

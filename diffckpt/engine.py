@@ -26,7 +26,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -291,9 +291,10 @@ class CheckpointEngine(Recorder):
 
     # ------------------------------------------------------------------- restore
     def resume(self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
-               step: int | None = None, *, dirpath: str | None = None,
+               step: int | Literal["last"] | None = None, *, dirpath: str | None = None,
                compressor: GradientCompressor | None = None, missing_ok: bool = False) -> ReplayResult | None:
-        """Restore ``step`` (``None``: the newest durable one) on every rank (every rank calls).
+        """Restore ``step`` (``"last"`` or ``None``: the newest durable one) on every rank (every
+        rank calls).
 
         Rank 0 resolves the step, falling back over damage for ``None``, and every rank replays
         that same step onto its ``module`` and ``optimizers``; with a ``compressor``, each rank
@@ -305,6 +306,10 @@ class CheckpointEngine(Recorder):
             the errors of :meth:`~diffckpt.CheckpointEngine.restore`, on rank 0; the other ranks
             raise :class:`DiffCkptError` saying that rank 0 failed.
         """
+        if step == "last":
+            step = None
+        elif step is not None and (not isinstance(step, int) or isinstance(step, bool)):
+            raise ValueError(f"step must be None, 'last' or a step number, got {step!r}")
         engine = self
         if dirpath is not None and str(dirpath).rstrip("/") != self.storage.url.rstrip("/"):
             engine = type(self)(dirpath, storage_options=self.storage_options)

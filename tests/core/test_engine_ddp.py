@@ -153,3 +153,7 @@ def test_commit_before_begin_and_twice_are_refused(tmp_path) -> None:
     with pytest.raises(DiffCkptError, match="steps must increase"):
         engine.commit(1, LoopState(sched))
     assert engine.end() == 1
+    with pytest.raises(ValueError, match="step must be None, 'last' or a step number"):
+        engine.resume(module, [opt], "first")  # type: ignore[arg-type]
+    result = engine.resume(module, [opt], "last")
+    assert result is not None and result.step == 1
