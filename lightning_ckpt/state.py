@@ -28,7 +28,9 @@ class StepState:
     def __init__(self, callback: DiffCheckpoint, trainer: pl.Trainer, restore_at: str) -> None:
         self.callback, self.trainer, self.restore_at = callback, trainer, restore_at
 
-    def rank_state(self) -> dict[str, Any]:
+    def rank_state(self) -> dict[str, Any] | None:
+        if self.trainer.world_size == 1:  # nothing per rank to keep: state() records it all
+            return None
         return {"rng": get_rng_state(), "loops": self.trainer.fit_loop.on_save_checkpoint(),
                 "sampler_rng": self.callback._order.captured}
 
