@@ -17,6 +17,7 @@ import torch
 from .codecs.compressor import GradientCompressor
 from .errors import UnsupportedConfigurationError
 from .pausable import Pausable
+from .sharding import local
 
 __all__ = ["StepCapture", "clone_tree", "fingerprint", "group_hyperparams", "tree_nbytes"]
 
@@ -37,9 +38,10 @@ def clone_tree(obj: Any) -> Any:
 
 
 def tree_nbytes(obj: Any) -> int:
-    """Bytes held by the tensors of a tree (used to bound the writer queue)."""
+    """Bytes held here by the tensors of a tree (used to bound the writer queue): a sharded
+    tensor counts this rank's piece."""
     if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
+        return local(obj).numel() * obj.element_size()
     if isinstance(obj, dict):
         return sum(tree_nbytes(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):
@@ -56,7 +58,7 @@ def fingerprint(tensors: Iterable[torch.Tensor]) -> str:
     """SHA-256 over the raw bytes of ``tensors`` in order: equal iff bitwise equal."""
     h = hashlib.sha256()
     for t in tensors:
-        t = t.detach()
+        t = local(t).detach()
         if t.device.type != "cpu":
             t = t.cpu()
         t = t.contiguous()
@@ -127,7 +129,9 @@ class StepCapture(Pausable):
             if coded is not None:  # the payloads are fresh tensors: no copy needed
                 event.update(coded)
             else:
-                event["grads"] = [[None if p.grad is None else p.grad.detach().clone() for p in g["params"]]
+                # Under FSDP2 the gradient is a DTensor: this rank's compact piece is what it
+                # consumed (the padding lives only in the reduce-scatter buffer).
+                event["grads"] = [[None if p.grad is None else local(p.grad).detach().clone() for p in g["params"]]
                                   for g in optimizer.param_groups]
             self._events.append(event)
             self.copy_s += time.perf_counter() - start

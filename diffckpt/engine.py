@@ -22,8 +22,10 @@ is built on (:class:`~diffckpt.recorder.Recorder`: ``start``, ``record_step``, `
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -32,14 +34,22 @@ import torch
 
 from .codecs.compressor import GradientCompressor
 from .collective import Collective, default_collective
-from .errors import CheckpointNotFoundError, DiffCkptError
+from .errors import CheckpointNotFoundError, DiffCkptError, UnsupportedConfigurationError
+from .loading import load_state
 from .options import CheckpointOptions
 from .recorder import Recorder
 from .replay import ReplayResult
+from .shardedrun import Resolution, ShardedRun, load_into_live
+from .sharding import check_elementwise, is_sharded, shard_table
 from .storage import Storage
 from .tuning.model import AUTO, tuning_metrics
 
 __all__ = ["CheckpointEngine", "Committed", "FrameworkState"]
+
+
+def _modules_of(optimizers: list[torch.optim.Optimizer]) -> tuple[str, ...]:
+    """The modules of the optimizer classes in use: replay may rebuild those (and torch's)."""
+    return ("torch.", *sorted({type(o).__module__ for o in optimizers}))
 
 log = logging.getLogger("diffckpt")
 
@@ -101,6 +111,7 @@ class CheckpointEngine(Recorder):
         self._clock: _Clock | None = None  # kept after end(): what the last session reached
         self._open = False  # between begin() and end()
         self._waiting: list[tuple[int, Callable[[], Any], str]] = []  # when_restorable() until a commit
+        self._sharded = False  # the session records sharded parameters: every rank writes its stream
 
     # ----------------------------------------------------------------- processes
     @property
@@ -151,15 +162,23 @@ class CheckpointEngine(Recorder):
             raise DiffCkptError("begin() called twice; end() the running session first")
         restored = self._restored if self._restored is not None and self._restored[0] == step else None
         self._restored = None
-        ranks = None if restored is not None else self.collective.gather(source.rank_state())
+        sharded = self._sharded = is_sharded(module)
+        table = self._check_sharded(module, optimizers, compressor) if sharded else None
+        ranks = None if restored is not None else self._rank_states(source)
         codec_states = self._gather_codec_states(compressor)
         self._compressor = compressor
         self._clock, self._open = _Clock(step, step, step), True
-        if not self.is_main_process:
+        if not self._writes():
             self.join(step)
             return
         meta = {"torch": torch.__version__, "world_size": self.world_size, **(meta or {})}
-        self.start(module, optimizers, step, meta=meta, compressor=compressor)
+        gen = None
+        if table is not None:  # every rank writes its own stream, in the session the root names
+            gen = self._claim_sharded_session(meta, step)
+            self.stream = ShardedRun(self.storage).stream(self.rank)
+            self.collects_garbage = self.is_main_process
+            meta = dict(meta, rank=self.rank, shards=table)
+        self.start(module, optimizers, step, meta=meta, compressor=compressor, gen=gen)
         state = restored[1] if restored is not None else source.state(ranks or [])
         self._base_now(step, state, codec_states)
 
@@ -177,11 +196,11 @@ class CheckpointEngine(Recorder):
         base = force_base or self.wants_base(step)
         restorable = force_state or base or self.wants_state(step)
         with self.measuring_state():
-            ranks = self.collective.gather(source.rank_state()) if restorable else None
+            ranks = self._rank_states(source) if restorable else None
             codec_states = self._gather_codec_states(self._compressor) if base else None
-            state = source.state(ranks or []) if restorable and self.is_main_process else None
+            state = source.state(ranks or []) if restorable and self._writes() else None
         clock.at(step, restorable, base)
-        if not self.is_main_process:
+        if not self._writes():
             self.follow(step, base)
             return Committed(step, restorable, base, tuning)
         self.record_step(step, state)
@@ -210,10 +229,10 @@ class CheckpointEngine(Recorder):
         if clock.restorable == step and (not base or clock.base == step):
             return
         with self.measuring_state():
-            ranks = self.collective.gather(source.rank_state())
+            ranks = self._rank_states(source)
             codec_states = self._gather_codec_states(self._compressor)
         clock.at(step, True, True)
-        if not self.is_main_process:
+        if not self._writes():
             self.follow(step, True)
             return
         self._base_now(step, source.state(ranks or []), codec_states)
@@ -313,6 +332,19 @@ class CheckpointEngine(Recorder):
         engine = self
         if dirpath is not None and str(dirpath).rstrip("/") != self.storage.url.rstrip("/"):
             engine = type(self)(dirpath, storage_options=self.storage_options)
+        # Where the step lies decides how it is rebuilt: a sharded session is replayed stream by
+        # stream (each rank its own, when the layout is the same), anything else as before.
+        found = self._decided(lambda: self._locate(engine, step, missing_ok))
+        if found[0] == "none":
+            return None
+        sharded_here = is_sharded(module)
+        if found[0] == "sharded":
+            res = found[1]
+            if sharded_here and res.world_size == self.world_size:
+                return self._restore_pieces(engine, module, optimizers, res, exact=step is not None)
+            return self._restore_full(engine, module, optimizers, res.step if step is not None else None)
+        if sharded_here:  # an unsharded run onto sharded parameters: cut from full tensors
+            return self._restore_full(engine, module, optimizers, step)
         coll = self.collective
         if coll.world_size == 1:
             return self._restore_here(engine, module, optimizers, step, compressor, missing_ok)
@@ -333,6 +365,121 @@ class CheckpointEngine(Recorder):
             return None
         return self._restore_here(engine, module, optimizers, value, compressor, False)
 
+    # ----------------------------------------------------------- sharded restore
+    def _decided(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` run on rank 0 and sent to every rank, or rank 0's error raised everywhere."""
+        coll = self.collective
+        if coll.world_size == 1:
+            return fn()
+        if self.is_main_process:
+            try:
+                value = fn()
+            except BaseException as exc:
+                coll.broadcast(("error", f"{type(exc).__name__}: {exc}"))
+                raise
+            coll.broadcast(("ok", value))
+            return value
+        kind, value = coll.broadcast(None)
+        if kind == "error":
+            raise DiffCkptError(f"restore failed on process 0 ({value}); no process was restored")
+        return value
+
+    @staticmethod
+    def _locate(engine: CheckpointEngine, step: int | None, missing_ok: bool) -> tuple[Any, ...]:
+        """``("sharded", Resolution)``, ``("plain",)``, or ``("none",)`` when ``missing_ok`` and
+        nothing is durable yet."""
+        try:
+            res = ShardedRun(engine.storage).resolve(step)
+        except CheckpointNotFoundError:
+            if step is not None or not missing_ok:
+                raise
+            log.warning("diffckpt: %s holds no step durable on every rank yet; starting at step 0",
+                        engine.storage.url)
+            return ("none",)
+        if res is not None:
+            return ("sharded", res)
+        if step is None and missing_ok and not engine.run_exists():
+            log.info("diffckpt: nothing to restore under %s; starting at step 0", engine.storage.url)
+            return ("none",)
+        return ("plain",)
+
+    def _everyone(self, fn: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any] | None, list[tuple[str, Any]]]:
+        """``fn()`` (a replayed state) on every rank: this rank's state, and every rank's
+        ``("ok", step)`` or ``("error", message)``, so that one rank's failure stops all and none
+        waits forever. Only the small outcome is exchanged."""
+        value: dict[str, Any] | None = None
+        try:
+            value = fn()
+            mine: tuple[str, Any] = ("ok", value["step"])
+        except Exception as exc:  # any failure: every rank must hear of it, or the others wait forever
+            log.debug("diffckpt: restore failed on rank %d", self.rank, exc_info=True)
+            mine = ("error", f"{type(exc).__name__}: {exc}")
+        coll = self.collective
+        if coll.world_size == 1:
+            return value, [mine]
+        gathered = coll.gather(mine)  # every rank takes part; rank 0 gets the list
+        return value, coll.broadcast(gathered)
+
+    @staticmethod
+    def _outcome(url: str, step: int, outcome: list[tuple[str, Any]]) -> list[int]:
+        errors = [f"rank {r}: {v}" for r, (kind, v) in enumerate(outcome) if kind == "error"]
+        if errors:
+            raise DiffCkptError(f"restoring step {step} of {url} failed: {'; '.join(errors)}")
+        return [v for _, v in outcome]
+
+    def _restore_pieces(self, engine: CheckpointEngine, module: torch.nn.Module,
+                        optimizers: list[torch.optim.Optimizer], res: Resolution, exact: bool) -> ReplayResult:
+        """Same layout: each rank replays its own stream, in parallel, with no exchange but one
+        small outcome per rank; ranks that reach different steps (a stream damaged after the
+        step every listing showed) all go back to the lowest."""
+        run, target = ShardedRun(engine.storage), res.step
+        mine: dict[str, Any] | None = None
+        allow = _modules_of(optimizers)
+        while True:
+            def replay(upto: int = target, kept: dict[str, Any] | None = mine) -> dict[str, Any]:
+                if kept is not None and kept["step"] == upto:  # this rank is there already
+                    return kept
+                return run.replay_rank(res, self.rank, upto, exact=exact or upto != res.step, allow_modules=allow)
+
+            mine, outcome = self._everyone(replay)
+            steps = self._outcome(engine.storage.url, target, outcome)
+            if len(set(steps)) == 1:
+                break
+            target = min(steps)
+        assert mine is not None
+        load_into_live(module, optimizers, mine, pieces=True)
+        return self._restored_from(engine, mine)
+
+    def _restore_full(self, engine: CheckpointEngine, module: torch.nn.Module,
+                      optimizers: list[torch.optim.Optimizer], step: int | None) -> ReplayResult:
+        """Another layout: full tensors rebuilt from every stream (in each process), then cut to
+        what each parameter here holds. Rank 0 settles the step first, so that all agree."""
+        allow = _modules_of(optimizers)
+        first: dict[str, Any] = {}
+
+        def settle() -> int:
+            first["full"] = load_state(engine.storage, step, allow_modules=allow)
+            return first["full"]["step"]
+
+        settled = self._decided(settle)
+        full, outcome = self._everyone(lambda: first.get("full") or load_state(engine.storage, settled,
+                                                                              allow_modules=allow))
+        self._outcome(engine.storage.url, settled, outcome)
+        assert full is not None
+        load_into_live(module, optimizers, full, pieces=False)
+        log.info("diffckpt: restored step %d onto another layout (%d process(es) here); training continues from "
+                 "it exactly, but not bit-identically to the original run, because the reductions change",
+                 full["step"], self.world_size)
+        return self._restored_from(engine, full)
+
+    def _restored_from(self, engine: CheckpointEngine, loaded: dict[str, Any]) -> ReplayResult:
+        result: ReplayResult = loaded["result"]
+        result.step, result.state = loaded["step"], loaded["state"]
+        self._restored = (result.step, result.state)
+        log.info("diffckpt: restored step %d from %s (base %d + %d replayed steps)", result.step,
+                 engine.storage.url, loaded["base_step"], loaded["replayed"])
+        return result
+
     def own(self, ranks: list[Any]) -> Any:
         """This rank's entry of a per-rank list recorded at a step, or ``None`` (with a warning)
         when the run was recorded on another number of processes."""
@@ -344,6 +491,53 @@ class CheckpointEngine(Recorder):
         return None
 
     # ------------------------------------------------------------------ internals
+    def _writes(self) -> bool:
+        """Whether this process records: rank 0 of data-parallel training (every rank applied
+        what it recorded), every rank of sharded training (each holds other pieces)."""
+        return self._sharded or self.is_main_process
+
+    def _rank_states(self, source: FrameworkState) -> list[Any] | None:
+        """Every rank's :meth:`FrameworkState.rank_state`, where the state is recorded: gathered
+        on rank 0 of data-parallel training; under sharded training each rank records its own,
+        in its place of a per-rank list, with no exchange."""
+        if not self._sharded:
+            return self.collective.gather(source.rank_state())
+        ranks: list[Any] = [None] * self.world_size
+        ranks[self.rank] = source.rank_state()
+        return ranks
+
+    def _check_sharded(self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
+                       compressor: GradientCompressor | None) -> dict[str, Any]:
+        if compressor is not None:
+            raise UnsupportedConfigurationError(
+                "compressed training (codec=) is not supported with sharded parameters: a codec decoded per "
+                "shard cannot see the global gradient, and FSDP2 has no communication hook for it. Train "
+                "without a codec (diffckpt then records each rank's exact gradient pieces)")
+        check_elementwise(optimizers)
+        return shard_table(module)
+
+    def _claim_sharded_session(self, meta: dict[str, Any], step: int) -> int:
+        """Rank 0 opens the session on the run root, naming the world size; every rank gets its
+        generation (or rank 0's error)."""
+        coll = self.collective
+        if self.is_main_process:
+            try:
+                body = {"options": dataclasses.asdict(self.options), "host": socket.gethostname(),
+                        "pid": os.getpid(), "resumed_from": step,
+                        "sharded": {"world_size": self.world_size, "streams": "ranks/r<rank:05d>/"}, **meta}
+                gen = self.store.start_session(body)
+            except BaseException as exc:
+                if coll.world_size > 1:
+                    coll.broadcast(("error", f"{type(exc).__name__}: {exc}"))
+                raise
+            if coll.world_size > 1:
+                coll.broadcast(("gen", gen))
+            return gen
+        kind, value = coll.broadcast(None)
+        if kind == "error":
+            raise DiffCkptError(f"opening the session failed on process 0 ({value})")
+        return int(value)
+
     def _require_clock(self) -> _Clock:
         if not self._open or self._clock is None:
             raise DiffCkptError("begin() must be called before commit() or make_restorable()")
@@ -359,8 +553,10 @@ class CheckpointEngine(Recorder):
                         codec_states)
 
     def _review_everywhere(self, step: int) -> dict[str, float]:
-        """Rank 0's tuner reviews the settings; every rank adopts what it chose."""
-        decision = self.review(step) if self.is_main_process else None
+        """Rank 0's tuner reviews the settings (under sharded training from every rank's
+        measurements, as the slowest writer); every rank adopts what it chose."""
+        measured = self.collective.gather(self.tuning.measure(step)) if self._sharded and self.world_size > 1 else None
+        decision = self.tuning.review(step, measured) if self.is_main_process else None
         if self.world_size > 1:
             settings, next_review = self.collective.broadcast((self.settings, self.tuning.next_review))
             if not self.is_main_process:

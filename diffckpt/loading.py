@@ -44,12 +44,23 @@ def load_state(dirpath: str | os.PathLike[str] | Storage, step: int | None = Non
     Damage is handled as in :meth:`CheckpointEngine.restore`: for ``None``, the newest step that
     can be rebuilt, with a warning; for an explicit step, an error.
 
+    A run trained sharded (FSDP2) is rebuilt from every rank's stream and returned as full
+    tensors, at the newest step durable on every rank (``docs/sharded.md``).
+
     Returns:
         ``{"step", "model": {name: tensor}, "optimizers": [optimizer state_dict, ...],
-        "state": framework state recorded at that step, "base_step", "replayed", "result": the
-        :class:`ReplayResult` (fingerprints checked, codec payloads, replay time)}``.
+        "state": framework state recorded at that step (rank 0's, for a sharded run),
+        "base_step", "replayed", "result": the :class:`ReplayResult` (fingerprints checked,
+        codec payloads, replay time), "parameters": [[name, shape], ...], "optimizer_classes",
+        "optimizer_params": the parameter names of each param group}``.
     """
-    store = RunStore(open_storage(dirpath, **(storage_options or {})))
+    storage = open_storage(dirpath, **(storage_options or {}))
+    from .shardedrun import ShardedRun  # (it replays each rank's stream with replay_plan below)
+
+    full = ShardedRun(storage).load_full(step, device=device, verify=verify, allow_modules=allow_modules)
+    if full is not None:  # a sharded session: every rank's pieces, reassembled
+        return full
+    store = RunStore(storage)
     plan, info, base = store.open_plan(step)
     return replay_plan(store, plan, device=device, verify=verify, allow_modules=allow_modules,
                        loaded=(info, base))
@@ -90,4 +101,5 @@ def replay_plan(store: RunStore, plan: RestorePlan, *, device: str = "cpu", veri
                                   verify=verify, loaded=(info, base))
     return {"step": result.step, "model": model, "optimizers": [o.state_dict() for o in optimizers],
             "state": result.state, "base_step": result.base_step, "replayed": result.replayed,
-            "result": result}
+            "result": result, "optimizer_classes": meta["optimizers"], "optimizer_params": meta["optimizer_params"],
+            "parameters": meta["parameters"]}

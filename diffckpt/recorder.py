@@ -28,6 +28,7 @@ from .options import CheckpointOptions
 from .policies import IntervalPolicy, StepContext
 from .replay import ReplayResult, replay
 from .runstore import RunStore
+from .sharding import local, local_tree
 from .storage import Storage, open_storage
 from .storage.retry import unwrap
 from .tuning.model import Decision, Settings
@@ -54,6 +55,10 @@ class Recorder:
         self.storage_options = dict(storage_options or {})
         self.storage = open_storage(dirpath, retry=self.options.retry, **self.storage_options)
         self.store = RunStore(self.storage)
+        # Where this process's session writes: the run root, or its own stream under it (a rank
+        # of sharded training, chosen by the engine before start()).
+        self.stream = self.store
+        self.collects_garbage = True  # runs retention (one process per run root does)
         self.policy = IntervalPolicy()
         self.writer: BackgroundWriter | None = None
         self.capture: StepCapture | None = None
@@ -86,11 +91,13 @@ class Recorder:
         return self.writer is not None
 
     def start(self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer], step: int,
-              meta: dict[str, Any] | None = None, compressor: GradientCompressor | None = None) -> int:
+              meta: dict[str, Any] | None = None, compressor: GradientCompressor | None = None,
+              gen: int | None = None) -> int:
         """Open a writer session continuing from ``step``; return its generation number.
 
         The caller writes the starting base right after (``write_base(step, ...)``). With a
-        ``compressor`` (compressed training), steps are recorded as its payloads.
+        ``compressor`` (compressed training), steps are recorded as its payloads. ``gen``: the
+        generation already taken on the run root (a rank stream of sharded training).
         """
         if self.writer is not None:
             raise DiffCkptError("start() called twice; close() the running session first")
@@ -103,22 +110,25 @@ class Recorder:
                                      for o in optimizers],
                 "resumed_from": step,
                 "optimizers": [f"{type(o).__module__}.{type(o).__qualname__}" for o in optimizers],
-                "parameters": [[k, list(p.shape)] for k, p in params.items()],
+                "parameters": [[k, list(local(p).shape)] for k, p in params.items()],
                 "codec": None if compressor is None else compressor.codec.config(), **(meta or {})}
         if self.tuning.restore_timing is not None:
             load_s, replay_s = self.tuning.restore_timing
             body["restore_timing"] = {"base_load_s": load_s, "replay_step_s": replay_s}
-        gen = self.store.start_session(body)
+        gen = self.stream.start_session(body, gen)
         self.module = module
-        self.writer = BackgroundWriter(self.store, gen, self.options, after=step,
-                                       write_batch=self.tuning.settings.write_batch)
+        self.writer = BackgroundWriter(self.stream, gen, self.options, after=step,
+                                       write_batch=self.tuning.settings.write_batch, fence=self.storage)
         self.tuning.start(step, self.writer, self._base_bytes_now)
         self._prev_step = self._last_base = step
         o, writer = self.options, self.writer
-        if o.compact_every_n_steps is not None or o.retention is not None:
+        retention = o.retention if self.collects_garbage else None
+        if o.compact_every_n_steps is not None or retention is not None:
+            # Compaction rolls this process's stream forward; retention runs over the whole root.
             self.maintenance = Maintenance(
-                self.storage, lambda: (writer.durable_step, self._last_base, writer.stats.bases),
-                compact_every_n_steps=o.compact_every_n_steps, retention=o.retention, device=o.compact_device)
+                self.stream.storage, lambda: (writer.durable_step, self._last_base, writer.stats.bases),
+                compact_every_n_steps=o.compact_every_n_steps, retention=retention, device=o.compact_device,
+                collect_from=self.storage)
         return gen
 
     def _context(self, step: int) -> StepContext:
@@ -154,7 +164,7 @@ class Recorder:
         """Bytes of model and optimizer state a base would copy now."""
         if self.module is None or self.capture is None:
             return 0
-        return tree_nbytes(self.module.state_dict()) + sum(
+        return tree_nbytes(self.module.state_dict()) + sum(  # pieces only, when sharded
             tree_nbytes(o.state_dict()["state"]) for o in self.capture.optimizers)
 
     def wants_state(self, step: int) -> bool:
@@ -197,7 +207,7 @@ class Recorder:
             "prev": self._prev_step,
             "events": events,
             "param_groups": [group_hyperparams(o) for o in capture.optimizers],
-            "buffers": {k: buffers[k].detach().clone() for k in self._buffer_names if k in buffers},
+            "buffers": {k: local(buffers[k]).detach().clone() for k in self._buffer_names if k in buffers},
             "state": None,
         }
         step_bytes = tree_nbytes(record)
@@ -207,7 +217,7 @@ class Recorder:
         state_s = time.perf_counter() - state_start
         # Not state cost: fingerprints come every fingerprint_every_n_steps whatever the tuner picks.
         if state is not None and self.policy.wants_fingerprint(self._context(step)):
-            record["fingerprint_params"] = [p.detach().clone() for p in module.parameters()]
+            record["fingerprint_params"] = [local(p).detach().clone() for p in module.parameters()]
         # The step's part was counted above; add only what was attached since (no second walk).
         nbytes = step_bytes + tree_nbytes(record["state"]) + tree_nbytes(record.get("fingerprint_params", []))
         stalled = writer.stats.stall_seconds
@@ -228,7 +238,9 @@ class Recorder:
         """
         writer, _, module = self._require()
         start = time.perf_counter()
-        tree = clone_tree({"model": model_state, "optimizers": optimizer_states, "state": state})
+        # Sharded training: this rank's pieces, as plain tensors (the session's shard table says
+        # where they sit in the full tensors).
+        tree = clone_tree(local_tree({"model": model_state, "optimizers": optimizer_states, "state": state}))
         if codec_states and any(codec_states):
             tree["codec"] = clone_tree(list(codec_states))
         names = [n for n, _ in module.named_parameters()]

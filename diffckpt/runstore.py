@@ -16,7 +16,7 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import CheckpointNotFoundError, CorruptRecordError
+from .errors import CheckpointNotFoundError, ConcurrentWriterError, CorruptRecordError
 from .format import FORMAT_VERSION, BaseName, SegmentName, decode_commit, decode_segment, sha256
 from .inventory import Inventory
 from .prefetch import Fetched, Prefetcher
@@ -128,14 +128,23 @@ class RunStore:
                 "cannot be checked against the model and optimizers. Restore a step of another session")
         return meta
 
-    def start_session(self, meta: dict[str, Any]) -> int:
+    def start_session(self, meta: dict[str, Any], gen: int | None = None) -> int:
         """Register a new writer session and return its generation number.
 
         The session file is created atomically (exclusive create), so two jobs starting on the
         same run root at once get different generations and never write the same objects.
+        ``gen``: the generation the run root's session took (a rank's stream of a sharded run
+        takes its root's), which must still be free here.
         """
         run = {"format": "diffckpt", "version": FORMAT_VERSION, "updated": time.time()}
         self.storage.write(RUN_FILE, json.dumps(run, sort_keys=True).encode())
+        if gen is not None:
+            body = dict(meta, gen=gen, started=time.time())
+            if not self.storage.create(session_path(gen), json.dumps(body, indent=1, sort_keys=True).encode()):
+                raise ConcurrentWriterError(
+                    f"{self.storage.url}/{session_path(gen)} exists already: another job is writing "
+                    "this run. Stop it, or give each job its own dirpath")
+            return gen
         gen = max(self.inventory().gens(), default=0) + 1
         while True:
             body = dict(meta, gen=gen, started=time.time())
@@ -176,12 +185,13 @@ class RunStore:
         """
         return self.candidates(step, inv)[0]
 
-    def candidates(self, step: int | None = None, inv: Inventory | None = None) -> list[RestorePlan]:
+    def candidates(self, step: int | None = None, inv: Inventory | None = None,
+                   gen: int | None = None) -> list[RestorePlan]:
         """Every plan of one session that rebuilds ``step``, best first.
 
         For ``None``: each committed base of the newest session with one, ordered by how far its
         chain reaches, then newest base first (least replay). For an explicit step: the bases of
-        the newest session that reaches ``step``, newest first.
+        the newest session that reaches ``step``, newest first. ``gen``: only that session's.
 
         Raises:
             CheckpointNotFoundError: nothing is committed, or ``step`` is not durable.
@@ -189,8 +199,10 @@ class RunStore:
         inv = inv or self.inventory()
         if not inv.bases:
             raise CheckpointNotFoundError(self._nothing_here(inv))
-        for gen in inv.gens():
-            bases = sorted((b for b in inv.bases if b.gen == gen), reverse=True)
+        for g in inv.gens():
+            if gen is not None and g != gen:
+                continue
+            bases = sorted((b for b in inv.bases if b.gen == g), reverse=True)
             if not bases:
                 continue
             if step is None:

@@ -29,6 +29,7 @@ from .errors import ConcurrentWriterError, DiffCkptError, StorageUnavailableErro
 from .format import BaseName, SegmentName, base_commit, encode_segment_parts
 from .options import CheckpointOptions
 from .runstore import RunStore
+from .storage import Storage
 from .storage.retry import RetryingStorage
 from .tree import pack_parts
 from .tuning.meter import Meter
@@ -59,7 +60,7 @@ class BackgroundWriter:
     """Owns the writer thread of one session (``gen``) of a run."""
 
     def __init__(self, store: RunStore, gen: int, options: CheckpointOptions, after: int,
-                 meter: Meter | None = None, write_batch: int | None = None) -> None:
+                 meter: Meter | None = None, write_batch: int | None = None, fence: Storage | None = None) -> None:
         self.store = store
         self.gen = gen
         self.options = options
@@ -76,6 +77,10 @@ class BackgroundWriter:
         self._abandon = threading.Event()
         storage = store.storage
         self.storage = storage.with_cancel(self._abandon) if isinstance(storage, RetryingStorage) else storage
+        # Newer sessions are announced where this session was: a rank stream of sharded training
+        # is fenced by the run root's session files, whatever layout the newer job has.
+        fence = storage if fence is None else fence
+        self._fence = fence.with_cancel(self._abandon) if isinstance(fence, RetryingStorage) else fence
         self._outage_since: float | None = None
         self._outage_error = ""
         self._outage_logged = 0.0
@@ -353,7 +358,7 @@ class BackgroundWriter:
             self._outage_since = None
 
     def _check_fence(self) -> None:
-        newer = self.store.newer_session(self.gen, self.storage)
+        newer = self.store.newer_session(self.gen, self._fence)
         if newer is not None:
             raise ConcurrentWriterError(
                 f"another job started writing to {self.store.storage.url} (session g{newer.get('gen')}, host "

@@ -53,18 +53,23 @@ def _describe_policy(policy: RetentionPolicy) -> str:
 def _render_gc(plan: GcPlan, policy: RetentionPolicy, source: str, applied: bool) -> str:
     head = "" if applied else " (dry run: nothing deleted; pass --apply to delete)"
     lines = [f"gc {plan.url}{head}", f"policy: {_describe_policy(policy)} ({source})", "", "kept restorable steps"]
-    lines += table(["steps", "gen", "why"], [[f"{k.base}..{k.step}" if k.base < k.step else str(k.step),
-                                              f"g{k.gen}", "; ".join(k.reasons)] for k in plan.kept])
+    subs = [("", plan), *plan.streams.items()]
+    lines += table(["stream", "steps", "gen", "why"] if plan.streams else ["steps", "gen", "why"],
+                   [([prefix.rstrip("/") or "."] if plan.streams else [])
+                    + [f"{k.base}..{k.step}" if k.base < k.step else str(k.step), f"g{k.gen}", "; ".join(k.reasons)]
+                    for prefix, sub in subs for k in sub.kept])
     verb = "deleted" if applied else "would delete"
     lines += ["", f"{verb} {plan.objects} object{'s' * (plan.objects != 1)}, "
                   f"{format_bytes(plan.bytes)} ({plan.bytes} B)"]
-    rows = [[f"base {b.step} (g{b.gen})", format_bytes(sum(plan.sizes.get(p, 0) for p in plan.base_files[b])),
-             b.dir] for b in plan.bases]
-    rows += [["segment", format_bytes(plan.sizes.get(s.path, 0)), s.path] for s in plan.segments]
-    rows += [[x.kind, format_bytes(x.size), x.path] for x in plan.leftovers]
+    rows = []
+    for prefix, sub in subs:
+        rows += [[f"base {b.step} (g{b.gen})", format_bytes(sum(sub.sizes.get(p, 0) for p in sub.base_files[b])),
+                  prefix + b.dir] for b in sub.bases]
+        rows += [["segment", format_bytes(sub.sizes.get(s.path, 0)), prefix + s.path] for s in sub.segments]
+        rows += [[x.kind, format_bytes(x.size), prefix + x.path] for x in sub.leftovers]
     if rows:
         lines += table(["what", "size", "path"], rows)
-    for path in plan.kept_beyond_gaps:
+    for path in [prefix + p for prefix, sub in subs for p in sub.kept_beyond_gaps]:
         lines.append(f"note: kept {path}: it lies beyond a gap in its session's chain (restores cannot "
                      "reach it); delete it by hand once the missing segment is gone for good")
     return "\n".join(lines)

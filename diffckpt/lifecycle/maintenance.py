@@ -41,8 +41,11 @@ class Maintenance:
 
     def __init__(self, storage: Storage, progress: Callable[[], tuple[int | None, int, int]], *,
                  compact_every_n_steps: int | None, retention: RetentionPolicy | None,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", collect_from: Storage | None = None) -> None:
         self.store = RunStore(storage)
+        # Retention runs over the run root (all rank streams of sharded training), compaction
+        # over the stream this process writes.
+        self.collect_store = RunStore(collect_from) if collect_from is not None else self.store
         self.progress = progress
         self.compact_every_n_steps = compact_every_n_steps
         self.retention = retention
@@ -107,12 +110,12 @@ class Maintenance:
             self.compactions.append(result.to_json())
             collect = True
         if self.retention is not None and collect:
-            plan = plan_gc(self.store, self.retention)
+            plan = plan_gc(self.collect_store, self.retention)
             if plan.objects:
-                done = apply_gc(self.store, plan)
+                done = apply_gc(self.collect_store, plan)
                 self.collections.append(done)
                 log.info("diffckpt: retention removed %d objects (%.1f MiB) of %s", done["objects"],
-                         done["bytes"] / 2**20, self.store.storage.url)
+                         done["bytes"] / 2**20, self.collect_store.storage.url)
 
 
 def _lower_priority() -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,9 +26,14 @@ from ..errors import CorruptRecordError, DiffCkptError
 from ..format import BaseName, SegmentName
 from ..inventory import Inventory
 from ..runstore import RunStore, session_path
+from ..shardedrun import ShardedRun, rank_streams
+from ..sharding import RANKS_DIR
 from ..storage import InspectableStorage, Storage, open_storage
+from ..storage.prefixed import substorage
 
 __all__ = ["GcPlan", "RetentionPolicy", "apply_gc", "collect_garbage", "plan_gc"]
+
+RANKS_PREFIX = RANKS_DIR + "/"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,15 +110,19 @@ class GcPlan:
     sizes: dict[str, int] = field(default_factory=dict)
     kept_beyond_gaps: list[str] = field(default_factory=list)
     applied: bool = False  # whether the deletions were carried out
+    # Sharded runs: the plan of each rank's stream, by its folder under the root (``ranks/r00000/``).
+    streams: dict[str, GcPlan] = field(default_factory=dict)
 
     @property
     def objects(self) -> int:
-        return len(self.segments) + sum(len(f) for f in self.base_files.values()) + len(self.leftovers)
+        own = len(self.segments) + sum(len(f) for f in self.base_files.values()) + len(self.leftovers)
+        return own + sum(p.objects for p in self.streams.values())
 
     @property
     def bytes(self) -> int:
         files = [s.path for s in self.segments] + [p for f in self.base_files.values() for p in f]
-        return sum(self.sizes.get(p, 0) for p in files) + sum(x.size for x in self.leftovers)
+        own = sum(self.sizes.get(p, 0) for p in files) + sum(x.size for x in self.leftovers)
+        return own + sum(p.bytes for p in self.streams.values())
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -126,6 +135,7 @@ class GcPlan:
                 "leftovers": [{"path": x.path, "kind": x.kind, "bytes": x.size} for x in self.leftovers],
             },
             "kept_beyond_gaps": self.kept_beyond_gaps, "applied": self.applied,
+            **({"streams": {k: p.to_json() for k, p in self.streams.items()}} if self.streams else {}),
         }
 
 
@@ -145,8 +155,9 @@ def _ends(inv: Inventory, bases: list[BaseName]) -> set[int]:
 
 
 def _targets(inv: Inventory, policy: RetentionPolicy, mtimes: dict[str, float | None],
-             now: float) -> dict[tuple[int, int, int], list[str]]:
-    """``{(gen, step, base step): reasons}`` of every step to keep restorable."""
+             now: float, also: Sequence[tuple[int, int, str]] = ()) -> dict[tuple[int, int, int], list[str]]:
+    """``{(gen, step, base step): reasons}`` of every step to keep restorable (``also``: more
+    ``(gen, step, reason)`` to keep, which the policy does not know of)."""
     out: dict[tuple[int, int, int], list[str]] = {}
     reaches: dict[int, list[tuple[BaseName, int]]] = {}  # per session: (base, chain end), newest first
     for b in sorted(inv.bases, reverse=True):
@@ -159,6 +170,8 @@ def _targets(inv: Inventory, policy: RetentionPolicy, mtimes: dict[str, float | 
         if base is not None:
             out.setdefault((gen, step, base.step), []).append(reason)
 
+    for gen, step, reason in also:
+        keep(gen, step, reason)
     newest_gen = next((g for g in inv.gens() if any(b.gen == g for b in inv.bases)), None)
     if newest_gen is None:
         return out
@@ -199,10 +212,18 @@ def _targets(inv: Inventory, policy: RetentionPolicy, mtimes: dict[str, float | 
     return out
 
 
-def plan_gc(store: RunStore, policy: RetentionPolicy, now: float | None = None) -> GcPlan:
-    """Decide what to delete under ``policy`` from one listing of the run (deletes nothing)."""
+def plan_gc(store: RunStore, policy: RetentionPolicy, now: float | None = None,
+            also: Sequence[tuple[int, int, str]] = ()) -> GcPlan:
+    """Decide what to delete under ``policy`` from one listing of the run (deletes nothing).
+
+    A sharded run's rank streams are planned each on its own, under the same policy, and each
+    also keeps the newest step durable on every rank (a rank ahead of the others must not drop
+    what a restore of that step needs from it). ``also``: more ``(gen, step, reason)`` to keep.
+    """
     now = time.time() if now is None else now
     details = _details(store)
+    streams = any(p.startswith(RANKS_PREFIX) for p in details)
+    details = {p: v for p, v in details.items() if not p.startswith(RANKS_PREFIX)}
     inv = store.inventory({p: size for p, (size, _) in details.items() if not _hidden(p)})
     mtimes = {p: t for p, (_, t) in details.items()}
     plan = GcPlan(url=store.storage.url.rstrip("/"), sizes={p: s for p, (s, _) in details.items()})
@@ -245,8 +266,26 @@ def plan_gc(store: RunStore, policy: RetentionPolicy, now: float | None = None) 
             plan.base_files[base] = sorted(by_dir.get(base.dir, []), key=lambda p: (p != base.commit_path, p))
     planned = {p for files in plan.base_files.values() for p in files}
     plan.leftovers = [x for x in _leftovers(store, details, committed, now - policy.min_age_s)
-                      if x.path not in planned]
+                      if x.path not in planned and not x.path.startswith(RANKS_PREFIX)]
+    if streams:
+        plan.streams = _plan_streams(store, policy, now)
     return plan
+
+
+def _plan_streams(store: RunStore, policy: RetentionPolicy, now: float) -> dict[str, GcPlan]:
+    run = ShardedRun(store.storage)
+    sessions = run.sessions()
+    floors = []
+    for gen, world in sorted(sessions.items(), reverse=True):
+        durable = run.durable(gen, run.inventories(world))
+        if durable is not None:  # the newest session with a step durable everywhere
+            floors.append((gen, durable, "newest step durable on every rank"))
+            break
+    plans = {}
+    for prefix in rank_streams(store.storage):
+        sub = RunStore(substorage(store.storage, prefix))
+        plans[prefix] = plan_gc(sub, policy, now, floors)
+    return plans
 
 
 def _routed(inv: Inventory, reach: dict[BaseName, int]) -> set[SegmentName]:
@@ -352,23 +391,26 @@ def recorded_policy(store: RunStore) -> RetentionPolicy | None:
 def apply_gc(store: RunStore, plan: GcPlan,
              progress: Callable[[int, int, str], None] | None = None) -> dict[str, int]:
     """Delete what ``plan`` names, in the crash-safe order; return counts and bytes deleted."""
-    storage = store.storage
-    steps: list[tuple[str, Callable[[], None]]] = [(s.path, _deleter(storage, s.path)) for s in plan.segments]
-    for base in plan.bases:
-        steps += [(p, _deleter(storage, p)) for p in plan.base_files[base]]
-    for x in plan.leftovers:
-        if x.upload_id is not None:
-            steps.append((x.path, _aborter(storage, x.path, x.upload_id)))
-        else:
-            steps.append((x.path, _deleter(storage, x.path)))
+    steps: list[tuple[str, Callable[[], None]]] = []
+    for prefix, sub in [("", plan), *plan.streams.items()]:
+        storage = substorage(store.storage, prefix) if prefix else store.storage
+        steps += [(prefix + s.path, _deleter(storage, s.path)) for s in sub.segments]
+        for base in sub.bases:
+            steps += [(prefix + p, _deleter(storage, p)) for p in sub.base_files[base]]
+        for x in sub.leftovers:
+            if x.upload_id is not None:
+                steps.append((prefix + x.path, _aborter(storage, x.path, x.upload_id)))
+            else:
+                steps.append((prefix + x.path, _deleter(storage, x.path)))
     for i, (path, step) in enumerate(steps):
         if progress is not None:
             progress(i, len(steps), path)
         step()
     if progress is not None:
         progress(len(steps), len(steps), "")
-    return {"objects": len(steps), "bytes": plan.bytes, "segments": len(plan.segments),
-            "bases": len(plan.bases), "leftovers": len(plan.leftovers)}
+    subs = [plan, *plan.streams.values()]
+    return {"objects": len(steps), "bytes": plan.bytes, "segments": sum(len(p.segments) for p in subs),
+            "bases": sum(len(p.bases) for p in subs), "leftovers": sum(len(p.leftovers) for p in subs)}
 
 
 def _deleter(storage: Any, path: str) -> Callable[[], None]:

@@ -114,6 +114,14 @@ class Measurements:
     def as_dict(self) -> dict[str, float]:
         return {k: float(v) for k, v in self.__dict__.items()}
 
+    @classmethod
+    def slowest(cls, ms: list[Measurements]) -> Measurements:
+        """What several writers of one job measured, as one writer at the worst of each (sharded
+        training: every rank writes its stream, and the slowest decides when steps are durable
+        and restored): the largest costs and sizes, the smallest bandwidth and memory."""
+        least = {"bandwidth_bps", "memory_bytes", "steps"}
+        return cls(**{k: (min if k in least else max)(getattr(m, k) for m in ms) for k in cls.__dataclass_fields__})
+
 
 @dataclass(frozen=True)
 class Settings:

@@ -101,18 +101,27 @@ class OnlineTuning:
         """The step of the next review (DDP: rank 0 sends it with the settings)."""
         return self._next_review
 
-    def review(self, step: int) -> Decision | None:
-        """Let the tuner look at the measurements and apply what it decides (writer only).
+    def measure(self, step: int) -> Measurements | None:
+        """What this process measured so far (``None`` while too little is measured)."""
+        base_bytes = self._base_bytes() if self._base_bytes is not None else None
+        return self.meter.snapshot(step - self._session_start, base_bytes) if self.meter is not None else None
 
-        Returns the decision, ``None`` while too little is measured (it looks again soon). A
-        change is logged and recorded in the session's ``tuning.json``.
+    def review(self, step: int, measured: list[Measurements | None] | None = None) -> Decision | None:
+        """Let the tuner look at the measurements and apply what it decides (rank 0).
+
+        ``measured``: every writer's :meth:`measure` (sharded training), reviewed as the slowest
+        of them; by default this process's own. Returns the decision, ``None`` while too little
+        is measured (it looks again soon). A change is logged and recorded in the session's
+        ``tuning.json``.
         """
         if self.tuner is None:
             return None
         started = time.perf_counter()
         self._next_review = step + self.options.tuning.retune_every_n_steps
-        base_bytes = self._base_bytes() if self._base_bytes is not None else None
-        m = self.meter.snapshot(step - self._session_start, base_bytes) if self.meter is not None else None
+        if measured is None:
+            m = self.measure(step)
+        else:
+            m = None if any(x is None for x in measured) else Measurements.slowest([x for x in measured if x])
         if m is None:
             self._next_review = step + WARMUP_STEPS
             return None

@@ -1,0 +1,142 @@
+"""A plain PyTorch loop under FSDP2 (``fully_shard``) on gloo, checkpointed through the core engine.
+
+Run as a script; it starts ``--world`` processes itself (so that a test can kill the whole tree).
+
+    fsdp_loop.py OUT --steps N [--root ROOT [--resume]] [--world W] [--unsharded] [--full-at K]
+
+Without ``--root`` nothing of diffckpt is used (the reference run). Every step draws its data from
+a generator seeded by (step, rank, micro-batch), so a resumed run sees what the original saw; the
+model has dropout (the RNG matters), two micro-batches accumulate, and gradients are clipped
+(a collective under FSDP2). Rank 0 prints ``STEP n`` after each step is committed. At the end
+each rank saves its pieces (parameters, optimizer state, scheduler, RNG) to ``OUT/rank<r>.pt``;
+``--full-at K`` also saves the full tensors at step K to ``OUT/full<K>.pt`` (a collective).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from diffckpt import CheckpointEngine, CheckpointOptions
+from diffckpt.rng import get_rng_state, set_rng_state
+
+OPTIONS = CheckpointOptions(write_batch=2, base_every_n_steps=4, fingerprint_every_n_steps=3)
+
+
+def make(sharded: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+    torch.manual_seed(0)
+    # dim 0 sizes 5, 3 and 1: every split over 2 ranks is uneven and rank 1 holds empty pieces
+    m = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Dropout(0.2), torch.nn.ReLU(), torch.nn.Linear(5, 3),
+                            torch.nn.ReLU(), torch.nn.Linear(3, 1))
+    if sharded:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in m:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+    return m, opt, torch.optim.lr_scheduler.StepLR(opt, 3, 0.7)
+
+
+class LoopState:
+    """What this loop adds to a restorable step: the scheduler, and each rank's RNG."""
+
+    def __init__(self, sched: Any) -> None:
+        self.sched = sched
+
+    def rank_state(self) -> dict[str, Any]:
+        return {"rng": get_rng_state()}
+
+    def state(self, ranks: list[Any]) -> dict[str, Any]:
+        return {"scheduler": self.sched.state_dict(), "ranks": ranks}
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def pieces(m: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any) -> dict[str, Any]:
+    sd = opt.state_dict()
+    return {"model": {k: local(v).clone() for k, v in m.state_dict().items()},
+            "optimizer": {i: {k: local(v).clone() for k, v in s.items()} for i, s in sd["state"].items()},
+            "groups": sd["param_groups"], "scheduler": sched.state_dict(), "rng": torch.get_rng_state()}
+
+
+def full(m: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    def f(t: torch.Tensor) -> torch.Tensor:
+        return t.full_tensor().clone() if hasattr(t, "full_tensor") else t.clone()
+    return {"model": {k: f(v) for k, v in m.state_dict().items()},
+            "optimizer": {i: {k: f(v) for k, v in s.items()} for i, s in opt.state_dict()["state"].items()}}
+
+
+def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    m, opt, sched = make(not args.unsharded)
+    torch.manual_seed(1000 + rank)
+    first, engine = 0, None
+    if args.root:
+        engine = CheckpointEngine(args.root, OPTIONS)
+        if args.resume:
+            result = engine.resume(m, [opt], "last")
+            assert result is not None
+            first = result.step
+            sched.load_state_dict(result.state["scheduler"])
+            mine = engine.own(result.state["ranks"])
+            if mine is not None:
+                set_rng_state(mine["rng"])
+        engine.begin(m, [opt], first, LoopState(sched))
+    for step in range(first + 1, args.steps + 1):
+        for micro in range(2):
+            x = torch.randn(6, 4, generator=torch.Generator().manual_seed(1000 * step + 10 * rank + micro))
+            (m(x).pow(2).mean() / 2).backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        if engine is not None:
+            engine.commit(step, LoopState(sched))
+        if rank == 0:
+            print(f"STEP {step}", flush=True)
+        if step == args.full_at:
+            state = full(m, opt)
+            if rank == 0:
+                torch.save(state, os.path.join(args.out, f"full{step}.pt"))
+    if engine is not None:
+        engine.end()
+    torch.save(pieces(m, opt, sched), os.path.join(args.out, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--root")
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--unsharded", action="store_true", help="a plain module, no fully_shard (with --world 1)")
+    p.add_argument("--full-at", type=int, default=-1)
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(worker, args=(args.world, port, args), nprocs=args.world, start_method="spawn")
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
