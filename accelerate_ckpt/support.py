@@ -24,11 +24,27 @@ _SHARDED = {DistributedType.DEEPSPEED: "DeepSpeed", DistributedType.FSDP: "FSDP"
 def check_supported(accelerator: Accelerator, url: str) -> None:
     """Raise :class:`UnsupportedConfigurationError` for a setup diffckpt cannot checkpoint exactly."""
     kind = _SHARDED.get(accelerator.distributed_type)
+    if kind == "FSDP":
+        # FSDP under Accelerate runs only on accelerators (cpu=True turns it into DDP, below), so
+        # no test here can run it; an untested path is refused rather than shipped.
+        raise UnsupportedConfigurationError(
+            "DiffCheckpointer does not support Accelerate's FSDP plugin (fsdp_version 1 or 2) yet: "
+            "Accelerate runs FSDP only on GPUs, where this release is not tested. FSDP2 training is "
+            "supported in a plain PyTorch loop through diffckpt.CheckpointEngine and in Lightning "
+            "through ModelParallelStrategy (see docs/sharded.md); otherwise use accelerator.save_state()")
     if kind is not None:
         raise UnsupportedConfigurationError(
             f"DiffCheckpointer does not support {kind} yet: sharded parameters and optimizer states "
             "cannot be replayed from one rank's diffs. Train with DDP or a single process, or use "
             "accelerator.save_state() for this run")
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and accelerator.distributed_type != DistributedType.FSDP:
+        # Accelerator(cpu=True, fsdp_plugin=...) drops the plugin without a word and wraps the
+        # model in DDP (accelerate/state.py keeps the plugin only for GPU-like types).
+        raise UnsupportedConfigurationError(
+            f"an FSDP plugin was given (ACCELERATE_USE_FSDP=true), but Accelerate ignored it and trains "
+            f"with {accelerator.distributed_type.value} instead: with cpu=True Accelerate does not shard. "
+            "Remove the FSDP plugin (and ACCELERATE_USE_FSDP) to checkpoint this DDP run, or see "
+            "docs/sharded.md for sharded training that diffckpt supports")
     parallel = getattr(accelerator, "parallelism_config", None)
     if parallel is not None and any(getattr(parallel, f"{k}_enabled", False) for k in ("tp", "cp", "sp", "dp_shard")):
         raise UnsupportedConfigurationError(

@@ -61,7 +61,22 @@ def test_sharded_strategies_are_refused(kind, accelerator_factory, tmp_path):
     acc = accelerator_factory(_Sharded)
     _prepare(acc)
     acc.kind = kind
-    with pytest.raises(UnsupportedConfigurationError, match="does not support (FSDP|DeepSpeed).*DDP or a single"):
+    match = ("does not support Accelerate's FSDP plugin.*ModelParallelStrategy" if kind == DistributedType.FSDP
+             else "does not support DeepSpeed.*DDP or a single")
+    with pytest.raises(UnsupportedConfigurationError, match=match):
+        DiffCheckpointer(acc, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_an_fsdp_plugin_that_cpu_true_ignores_is_refused(version, accelerator_factory, tmp_path, monkeypatch):
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")  # the constructor sets it; restored after the test
+    acc = accelerator_factory(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=version))
+    _prepare(acc)
+    assert acc.distributed_type != DistributedType.FSDP  # really ignored: the model is not sharded
+    with pytest.raises(UnsupportedConfigurationError, match="FSDP plugin was given.*Accelerate ignored it"):
         DiffCheckpointer(acc, tmp_path / "run")
     assert not (tmp_path / "run").exists()
 

@@ -2,22 +2,31 @@
 
 Run as a script; it starts ``--world`` processes itself (so that a test can kill the whole tree).
 
-    fsdp_loop.py OUT --steps N [--root ROOT [--resume]] [--world W] [--unsharded] [--full-at K]
+    fsdp_loop.py OUT --steps N [--root ROOT [--resume] [--dump-restored] [--stall R:REGEX]]
+                 [--world W] [--unsharded] [--full-at K] [--auto] [--keep-last-bases N]
 
 Without ``--root`` nothing of diffckpt is used (the reference run). Every step draws its data from
 a generator seeded by (step, rank, micro-batch), so a resumed run sees what the original saw; the
 model has dropout (the RNG matters), two micro-batches accumulate, and gradients are clipped
 (a collective under FSDP2). Rank 0 prints ``STEP n`` after each step is committed. At the end
 each rank saves its pieces (parameters, optimizer state, scheduler, RNG) to ``OUT/rank<r>.pt``;
-``--full-at K`` also saves the full tensors at step K to ``OUT/full<K>.pt`` (a collective).
+``--full-at K ...`` also saves the full tensors at step K to ``OUT/full<K>.pt`` (a collective), and
+``--dump-restored`` the full tensors right after the resume to ``OUT/restored.pt``.
+
+``--stall R:REGEX`` holds rank R's writes of objects whose path matches REGEX forever (it prints
+``STALLED <path>`` first): one rank's stream falls behind the others', the way a slow or stuck
+writer leaves it, so that a test can kill the job at that instant. It is a storage wrapper (a
+delay cannot be produced on purpose otherwise); everything else is real.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import socket
 import sys
+import time
 from typing import Any
 
 import torch
@@ -27,7 +36,25 @@ import torch.multiprocessing as mp
 from diffckpt import CheckpointEngine, CheckpointOptions
 from diffckpt.rng import get_rng_state, set_rng_state
 
-OPTIONS = CheckpointOptions(write_batch=2, base_every_n_steps=4, fingerprint_every_n_steps=3)
+OPTIONS = {"write_batch": 2, "base_every_n_steps": 4, "fingerprint_every_n_steps": 3}
+
+
+class Stalling:
+    """A storage whose writes of matching paths never finish (see ``--stall``)."""
+
+    def __init__(self, inner: Any, pattern: str) -> None:
+        self.inner, self.pattern, self.url = inner, re.compile(pattern), inner.url
+        self.local = getattr(inner, "local", False)
+
+    def write(self, path: str, data: Any) -> None:
+        if self.pattern.search(path):
+            print(f"STALLED {path}", flush=True)
+            while True:
+                time.sleep(60)
+        self.inner.write(path, data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
 
 def make(sharded: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
@@ -87,7 +114,19 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     torch.manual_seed(1000 + rank)
     first, engine = 0, None
     if args.root:
-        engine = CheckpointEngine(args.root, OPTIONS)
+        options = dict(OPTIONS)
+        if args.auto:
+            options.update(every_n_steps="auto", write_batch="auto")
+        if args.keep_last_bases:
+            from diffckpt import RetentionPolicy
+
+            options.update(retention=RetentionPolicy(keep_last_bases=args.keep_last_bases, min_age_s=0.0))
+        target: Any = args.root
+        if args.stall and int(args.stall.split(":", 1)[0]) == rank:
+            from diffckpt import FsspecStorage
+
+            target = Stalling(FsspecStorage(args.root), args.stall.split(":", 1)[1])
+        engine = CheckpointEngine(target, CheckpointOptions(**options))
         if args.resume:
             result = engine.resume(m, [opt], "last")
             assert result is not None
@@ -96,6 +135,10 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
             mine = engine.own(result.state["ranks"])
             if mine is not None:
                 set_rng_state(mine["rng"])
+            if args.dump_restored:
+                state = full(m, opt)
+                if rank == 0:
+                    torch.save(dict(state, step=first), os.path.join(args.out, "restored.pt"))
         engine.begin(m, [opt], first, LoopState(sched))
     for step in range(first + 1, args.steps + 1):
         for micro in range(2):
@@ -109,7 +152,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
             engine.commit(step, LoopState(sched))
         if rank == 0:
             print(f"STEP {step}", flush=True)
-        if step == args.full_at:
+        if step in args.full_at:
             state = full(m, opt)
             if rank == 0:
                 torch.save(state, os.path.join(args.out, f"full{step}.pt"))
@@ -128,7 +171,11 @@ def main() -> None:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--unsharded", action="store_true", help="a plain module, no fully_shard (with --world 1)")
-    p.add_argument("--full-at", type=int, default=-1)
+    p.add_argument("--full-at", type=int, nargs="*", default=[])
+    p.add_argument("--dump-restored", action="store_true")
+    p.add_argument("--stall", metavar="RANK:REGEX")
+    p.add_argument("--auto", action="store_true", help="every_n_steps and write_batch tuned automatically")
+    p.add_argument("--keep-last-bases", type=int, help="retention beside training")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     with socket.socket() as s:

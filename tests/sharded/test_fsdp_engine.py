@@ -1,0 +1,200 @@
+"""Sharded training (FSDP2 ``fully_shard``, 2 gloo processes) checkpointed through the core engine.
+
+Every run is a real multi-process job (``fsdp_loop.py``), killed for real with SIGKILL of the whole
+process tree where a test says so. A resumed run is compared on every rank, tensor by tensor with
+``torch.equal``, with a run that never used diffckpt; runs restored onto another layout are
+compared with the full tensors of that run at the restored step.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import ROOT, assert_bitwise_equal, kill_tree, run_script, script_env
+
+import diffckpt
+from diffckpt.shardedrun import ShardedRun
+from diffckpt.storage import open_storage
+
+SCRIPT = "tests/sharded/fsdp_loop.py"
+STEPS = 12
+FULL_AT = ["4", "6", "8", "9", "10", "12"]
+
+
+def train(out: Path, steps: int, *extra: str, kill_at: int | None = None) -> str:
+    rc, log = run_script(SCRIPT, [str(out), "--steps", str(steps), *extra], kill_at_step=kill_at, timeout=300)
+    if kill_at is None:
+        assert rc == 0, log
+    return log
+
+
+def load(path: Path) -> Any:
+    return torch.load(path, weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The uninterrupted run without diffckpt: every rank's pieces at the end, full tensors at
+    the steps in FULL_AT."""
+    out = tmp_path_factory.mktemp("reference")
+    train(out, STEPS, "--full-at", *FULL_AT)
+    return out
+
+
+def assert_same_pieces(reference: Path, out: Path) -> None:
+    for rank in (0, 1):
+        assert_bitwise_equal(load(reference / f"rank{rank}.pt"), load(out / f"rank{rank}.pt"), f"rank {rank}")
+
+
+def assert_full_equal(expected: dict[str, Any], state: dict[str, Any]) -> None:
+    assert_bitwise_equal(expected["model"], state["model"])
+    assert_bitwise_equal(expected["optimizer"], state["optimizers"][0]["state"])
+
+
+def test_kill_at_a_random_step_and_resume_is_bitwise_on_every_rank(reference, tmp_path):
+    kill_at = random.Random(os.getpid()).randint(3, STEPS - 2)
+    root = tmp_path / "run"
+    train(tmp_path / "a", STEPS, "--root", str(root), kill_at=kill_at)
+    log = train(tmp_path / "b", STEPS, "--root", str(root), "--resume")
+    assert "STEP 1\n" not in log, f"killed at step {kill_at}, but the resumed run started over"
+    assert_same_pieces(reference, tmp_path / "b")
+    # The run as it is now, rebuilt in one process from both ranks' streams, is the full state.
+    state = diffckpt.load_state(root)
+    assert state["step"] == STEPS
+    assert_full_equal(load(reference / f"full{STEPS}.pt"), state)
+    for step in (6, 10):  # an explicit older step too, from each rank's base and diffs
+        assert_full_equal(load(reference / f"full{step}.pt"), diffckpt.load_state(root, step))
+
+
+def test_layout_changes_restore_the_saved_step_exactly(reference, tmp_path):
+    # 1 -> 2: a single-process run (no sharding) resumed by a 2-rank FSDP2 job.
+    one = tmp_path / "one"
+    train(tmp_path / "u", 6, "--world", "1", "--unsharded", "--root", str(one), "--full-at", "6")
+    train(tmp_path / "v", 8, "--root", str(one), "--resume", "--dump-restored")
+    restored = load(tmp_path / "v" / "restored.pt")
+    assert restored["step"] == 6
+    assert_bitwise_equal(load(tmp_path / "u" / "full6.pt")["model"], restored["model"])
+    assert_bitwise_equal(load(tmp_path / "u" / "full6.pt")["optimizer"], restored["optimizer"])
+    assert diffckpt.load_state(one)["step"] == 8  # training went on, sharded, on the same root
+
+    # 2 -> 1: a 2-rank run stopped at step 6, resumed by one process on a plain module.
+    two = tmp_path / "two"
+    train(tmp_path / "w", 6, "--root", str(two))
+    train(tmp_path / "x", 8, "--world", "1", "--unsharded", "--root", str(two), "--resume", "--dump-restored")
+    restored = load(tmp_path / "x" / "restored.pt")
+    assert restored["step"] == 6
+    expected = load(reference / "full6.pt")
+    assert_bitwise_equal(expected["model"], restored["model"])
+    assert_bitwise_equal(expected["optimizer"], restored["optimizer"])
+    assert diffckpt.load_state(two)["step"] == 8
+
+
+def _run_until(args: list[str], done: Any, timeout: float = 120) -> str:
+    """Start the script, wait until ``done()`` holds, then SIGKILL its whole process tree."""
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, SCRIPT), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=script_env(), start_new_session=True)
+    deadline = time.monotonic() + timeout
+    try:
+        while not done():
+            assert proc.poll() is None, f"the job ended before the instant to kill it:\n{proc.stdout.read()}"
+            assert time.monotonic() < deadline, "the instant to kill never came"
+            time.sleep(0.05)
+    finally:
+        kill_tree(proc.pid)
+        out = proc.communicate(timeout=60)[0]
+    return out
+
+
+def test_kill_between_rank_0s_and_rank_1s_part_of_a_base(reference, tmp_path):
+    root = tmp_path / "run"
+    r0 = root / "ranks/r00000/bases/000000000008.g000001/COMMIT"
+    r1 = root / "ranks/r00001/bases/000000000008.g000001/COMMIT"
+    log = _run_until([str(tmp_path / "a"), "--steps", str(STEPS), "--root", str(root),
+                      "--stall", "1:bases/000000000008[^/]*/COMMIT"], lambda: r0.exists())
+    assert r0.exists() and not r1.exists(), log
+    run = ShardedRun(open_storage(root))
+    res = run.resolve()
+    assert res is not None and res.step >= 6  # rank 1's diffs up to its stalled base still count
+    train(tmp_path / "b", STEPS, "--root", str(root), "--resume")
+    assert_same_pieces(reference, tmp_path / "b")
+
+
+def test_a_rank_whose_stream_lags_sets_the_restored_step(reference, tmp_path):
+    root = tmp_path / "run"
+    log = _run_until([str(tmp_path / "a"), "--steps", str(STEPS), "--root", str(root),
+                      "--stall", "1:diffs/000000000004-"],
+                     lambda: len(list((root / "ranks/r00000/diffs").glob("*-000000000008.g000001.seg"))) > 0)
+    assert "STALLED ranks/r00001/diffs/000000000004-" in log
+    run = ShardedRun(open_storage(root))
+    newest = [inv.newest_step(1) for inv in run.inventories(2)]
+    assert newest[0] >= 8 and newest[1] == 4, newest
+    assert run.resolve().step == 4  # the newest step durable on every rank
+    log = train(tmp_path / "b", STEPS, "--root", str(root), "--resume")
+    assert "STEP 5\n" in log and "STEP 4\n" not in log
+    assert_same_pieces(reference, tmp_path / "b")
+
+
+def test_one_ranks_damaged_or_missing_segment(reference, tmp_path):
+    root = tmp_path / "run"
+    train(tmp_path / "a", 10, "--root", str(root))
+    seg = root / "ranks/r00001/diffs/000000000008-000000000010.g000001.seg"
+    data = bytearray(seg.read_bytes())
+    data[-40] ^= 0xFF  # a flipped byte in the last record: only reading finds it
+    seg.write_bytes(bytes(data))
+    assert ShardedRun(open_storage(root)).resolve().step == 10  # the listings cannot tell
+    with pytest.warns(UserWarning, match="restoring step 9"):
+        state = diffckpt.load_state(root)
+    assert state["step"] == 9  # rank 1 stops at 9, so rank 0 goes back there too
+    assert_full_equal(load(reference / "full9.pt"), state)
+    # Resumed: every rank agrees on step 9 (rank 0 replays again to it), and training continues.
+    train(tmp_path / "b", STEPS, "--root", str(root), "--resume")
+    assert_same_pieces(reference, tmp_path / "b")
+
+    # A missing segment on one rank: the listing shows it, and the step before it is chosen.
+    other = tmp_path / "run2"
+    train(tmp_path / "c", 10, "--root", str(other))
+    (other / "ranks/r00000/diffs/000000000008-000000000010.g000001.seg").unlink()
+    assert diffckpt.load_state(other)["step"] == 8
+
+
+def test_nothing_durable_on_every_rank_is_a_clear_error(tmp_path):
+    root = tmp_path / "run"
+    train(tmp_path / "a", 4, "--root", str(root))
+    for p in (root / "ranks/r00001/bases").glob("*/COMMIT"):
+        p.unlink()
+    with pytest.raises(diffckpt.CheckpointNotFoundError, match="no step is durable on every rank.*g1 \\(2 ranks\\)"):
+        diffckpt.load_state(root)
+
+
+def test_s3_per_rank_writers(reference, s3_bucket, tmp_path):
+    url = s3_bucket.url  # the subprocesses find moto through the environment, as users configure S3
+    train(tmp_path / "a", STEPS, "--root", url, kill_at=7)
+    train(tmp_path / "b", STEPS, "--root", url, "--resume")
+    assert_same_pieces(reference, tmp_path / "b")
+    keys = open_storage(url, **s3_bucket.storage_options).list("")
+    assert any(k.startswith("ranks/r00000/diffs/") for k in keys) and any(k.startswith("ranks/r00001/diffs/") for k in keys)
+    assert diffckpt.load_state(url, storage_options=s3_bucket.storage_options)["step"] == STEPS
+
+
+def test_auto_tuning_and_retention_beside_sharded_training(reference, tmp_path):
+    root = tmp_path / "run"
+    train(tmp_path / "a", STEPS, "--root", str(root), "--auto", "--keep-last-bases", "1")
+    # Rank 0 reviewed from both ranks' measurements, and both streams follow its settings.
+    decisions = (root / "ranks/r00000/sessions/g000001.tuning.json")
+    assert decisions.exists()
+    run = ShardedRun(open_storage(root))
+    invs = run.inventories(2)
+    assert [s.path for s in invs[0].segments] == [s.path for s in invs[1].segments]
+    # Retention kept only what the newest base needs, on both ranks, and the run still restores.
+    assert all(len(inv.bases) == 1 for inv in invs), [inv.bases for inv in invs]
+    state = diffckpt.load_state(root)
+    assert state["step"] == STEPS
+    assert_full_equal(load(reference / f"full{STEPS}.pt"), state)
