@@ -248,6 +248,48 @@ def test_golden_run_restores_by_replay() -> None:
         load_state(str(RUN), 5)
 
 
+def test_sharded_golden_run_reassembles_the_full_tensors() -> None:
+    """Both rank streams of ``sharded/``, replayed and put together by their shard tables, give
+    the full tensors of the unsharded run at every restorable step (SGD is elementwise)."""
+    sim = mg.simulate()
+    for step in (None, 4, 2, 0):
+        result = load_state(str(GOLDEN / "sharded"), step)
+        expected_step = 4 if step is None else step
+        assert result["step"] == expected_step
+        for name in mg.PARAM_NAMES:
+            assert torch.equal(result["model"][name], sim[expected_step][name]), name
+        buffers = mg.buffers_at(expected_step) if expected_step else mg.initial_buffers()
+        for name, value in buffers.items():
+            assert torch.equal(result["model"][name], value), name
+        assert result["state"]["ranks"] == [{"rank": 0}, None]  # rank 0's own record
+        momentum = result["optimizers"][0]["state"]
+        if expected_step:
+            assert [tuple(momentum[i]["momentum_buffer"].shape) for i in (0, 1)] == [(2, 3), (2,)]
+        assert [p[1] for p in result["parameters"]] == [[2, 3], [2]]
+    with pytest.raises(CheckpointNotFoundError, match="not durable on every rank"):
+        load_state(str(GOLDEN / "sharded"), 5)
+
+
+def test_sharded_golden_sessions_follow_the_documented_schema() -> None:
+    from diffckpt.sharding import slice_of
+
+    root = json.loads((GOLDEN / "sharded/sessions/g000001.json").read_text())
+    assert root["sharded"] == {"world_size": 2, "streams": "ranks/r<rank:05d>/"}
+    params = mg.initial_params()
+    for rank in (0, 1):
+        meta = json.loads((GOLDEN / f"sharded/ranks/r{rank:05d}/sessions/g000001.json").read_text())
+        assert meta["rank"] == rank and meta["world_size"] == 2
+        for name, entry in meta["shards"].items():
+            assert set(entry) == {"shape", "dtype", "placements", "mesh", "coord", "local_shape", "offset"}
+            full = params[name]
+            (rows,) = slice_of(entry["shape"], entry["mesh"][0], entry["coord"][0])
+            assert [rows.start] + [0] * (full.dim() - 1) == entry["offset"]
+            assert [rows.stop - rows.start, *full.shape[1:]] == entry["local_shape"]
+        base = unpack_tree(golden(f"sharded/ranks/r{rank:05d}/bases/000000000000.g000001/state.safetensors"))
+        for name in mg.PARAM_NAMES:  # a stream's base holds its pieces, as plain tensors
+            assert torch.equal(base["model"][name], params[name][slice_of(params[name].shape, 2, rank)])
+
+
 def test_non_restorable_step_is_refused() -> None:
     with pytest.raises(CheckpointNotFoundError):
         load_state(str(RUN), 1)

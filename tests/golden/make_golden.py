@@ -17,6 +17,11 @@ Files (paths relative to ``tests/golden/``):
   is not restorable) and segment ``2-4`` (steps 3, 4; step 3 is a skipped optimizer step).
   ``run/run.json`` and ``run/sessions/g000001.json`` carry fixed times and are *not* byte-pinned.
 * ``segment-zstd.seg``: the records of segment ``0-2`` compressed with zstd (decode-only).
+* ``sharded/``: the same training as ``run/``, recorded sharded over 2 ranks (``docs/format.md``
+  section 9): each parameter is cut along dim 0 (``weight`` (2, 3) into two (1, 3) pieces, ``bias``
+  (2,) into two (1,) pieces), and rank ``r``'s stream under ``sharded/ranks/r0000<r>/`` holds only
+  its pieces; buffers are not sharded and both streams hold them whole. The session files (root:
+  world size; rank streams: shard tables) are not byte-pinned; the streams' bases and segments are.
 """
 
 from __future__ import annotations
@@ -48,7 +53,11 @@ PINNED = [
     "run/bases/000000000000.g000001/COMMIT",
     "run/diffs/000000000000-000000000002.g000001.seg",
     "run/diffs/000000000002-000000000004.g000001.seg",
+    *[f"sharded/ranks/r{r:05d}/{name}" for r in (0, 1) for name in (
+        "bases/000000000000.g000001/state.safetensors", "bases/000000000000.g000001/COMMIT",
+        "diffs/000000000000-000000000002.g000001.seg", "diffs/000000000002-000000000004.g000001.seg")],
 ]
+WORLD = 2
 
 
 # ------------------------------------------------------------------------------- tree fixture
@@ -230,6 +239,76 @@ def session_meta() -> dict[str, Any]:
             "started": 0.0}
 
 
+# ------------------------------------------------------------------------------ sharded run
+def cut(t: torch.Tensor | None, rank: int) -> torch.Tensor | None:
+    """Rank ``rank``'s piece of a parameter-shaped tensor: ``torch.chunk`` along dim 0, as FSDP2."""
+    return None if t is None else t.chunk(WORLD)[rank].clone()
+
+
+def shard_table(rank: int) -> dict[str, dict[str, Any]]:
+    """The ``shards`` entry of rank ``rank``'s session file, as ``diffckpt.sharding.shard_table``
+    builds it for FSDP2 parameters."""
+    table = {}
+    for name, t in initial_params().items():
+        rows = t.shape[0] // WORLD
+        table[name] = {"shape": list(t.shape), "dtype": "float32", "placements": ["Shard(0)"],
+                       "mesh": [WORLD], "coord": [rank], "local_shape": [rows, *t.shape[1:]],
+                       "offset": [rank * rows] + [0] * (t.dim() - 1)}
+    return table
+
+
+def rank_records(rank: int) -> list[dict[str, Any]]:
+    """Rank ``rank``'s records as the engine hands them to its writer: its gradient pieces, the
+    whole buffers, its parameter pieces at fingerprint steps, and the state with itself as the
+    only entry of ``ranks`` (each rank records its own part)."""
+    out = []
+    for record in engine_records():
+        record = dict(record)
+        record["events"] = [dict(e, grads=[[cut(g, rank) for g in group] for group in e["grads"]])
+                            for e in record["events"]]
+        if "fingerprint_params" in record:
+            record["fingerprint_params"] = [cut(t, rank) for t in record["fingerprint_params"]]
+        if record["state"] is not None:
+            record["state"] = dict(record["state"], ranks=[{"rank": rank} if r == rank else None for r in range(WORLD)])
+        out.append(record)
+    return out
+
+
+def rank_base(rank: int) -> dict[str, Any]:
+    tree = base_tree()
+    model = {k: cut(v, rank) if k in PARAM_NAMES else v for k, v in tree["model"].items()}
+    state = dict(tree["state"], ranks=[{"rank": rank} if r == rank else None for r in range(WORLD)])
+    return dict(tree, model=model, state=state)
+
+
+def sharded_files(writer_cls: Any, store_cls: Any, storage_cls: Any, options: Any, root: Path) -> None:
+    """Write the rank streams of ``sharded/`` under ``root`` with the real background writer."""
+    for rank in (0, 1):
+        store = store_cls(storage_cls(str(root / f"ranks/r{rank:05d}")))
+        writer = writer_cls(store, GEN, options, after=0)
+        tree = rank_base(rank)
+        writer.put_base(0, tree, [tree["model"][n] for n in PARAM_NAMES], 0)
+        for record in rank_records(rank):
+            writer.put_record(record, 0)
+        assert writer.close() == 4
+
+
+def sharded_sessions() -> dict[str, bytes]:
+    """The session files of ``sharded/`` (not byte-pinned: times)."""
+    root = {"options": session_meta()["options"], "resumed_from": 0, "world_size": WORLD,
+            "sharded": {"world_size": WORLD, "streams": "ranks/r<rank:05d>/"}, "gen": GEN, "started": 0.0}
+    files = {"sharded/run.json": json.dumps({"format": "diffckpt", "updated": 0.0, "version": 1},
+                                            sort_keys=True).encode(),
+             "sharded/sessions/g000001.json": json.dumps(root, indent=1, sort_keys=True).encode()}
+    for rank in (0, 1):
+        meta = dict(session_meta(), parameters=[[k, [v.shape[0] // WORLD, *v.shape[1:]]]
+                                                for k, v in initial_params().items()],
+                    world_size=WORLD, rank=rank, shards=shard_table(rank))
+        files[f"sharded/ranks/r{rank:05d}/run.json"] = files["sharded/run.json"]
+        files[f"sharded/ranks/r{rank:05d}/sessions/g000001.json"] = json.dumps(meta, indent=1, sort_keys=True).encode()
+    return files
+
+
 def golden_files() -> dict[str, bytes]:
     """Every byte-pinned golden file, encoded with the current code."""
     files = {"tree.safetensors": pack_tree(all_tags_tree())}
@@ -239,8 +318,26 @@ def golden_files() -> dict[str, bytes]:
     files[f"run/{base.commit_path}"] = encode_commit(commit_info(state))
     for name, header, records in segment_inputs():
         files[f"run/{name.path}"] = encode_segment(header, records, "none", 1)
+    files.update(sharded_golden())
     assert sorted(files) == sorted(PINNED)
     return files
+
+
+def sharded_golden() -> dict[str, bytes]:
+    """The byte-pinned files of ``sharded/``, written by the real writer into a temporary root."""
+    import tempfile
+
+    from diffckpt.options import CheckpointOptions
+    from diffckpt.runstore import RunStore
+    from diffckpt.storage import FsspecStorage
+    from diffckpt.writer import BackgroundWriter
+
+    options = CheckpointOptions(write_batch=2, compression="none", base_every_n_steps=None,
+                                fingerprint_every_n_steps=2)
+    with tempfile.TemporaryDirectory() as tmp:
+        sharded_files(BackgroundWriter, RunStore, FsspecStorage, options, Path(tmp))
+        return {rel: (Path(tmp) / rel.removeprefix("sharded/")).read_bytes()
+                for rel in PINNED if rel.startswith("sharded/")}
 
 
 def other_files() -> dict[str, bytes]:
@@ -251,6 +348,7 @@ def other_files() -> dict[str, bytes]:
                                    sort_keys=True).encode(),
         "run/sessions/g000001.json": json.dumps(session_meta(), indent=1, sort_keys=True).encode(),
         "segment-zstd.seg": encode_segment(header, records, "zstd", 3),
+        **sharded_sessions(),
     }
 
 
