@@ -22,7 +22,7 @@ from .errors import UnsupportedConfigurationError
 from .loading import load_state
 from .storage import FsspecStorage, Storage
 
-__all__ = ["FORMATS", "export_checkpoint"]
+__all__ = ["FORMATS", "export_checkpoint", "output_target", "write_checkpoint"]
 
 FORMATS = ("lightning", "torch", "safetensors")
 _BY_EXTENSION = {".ckpt": "lightning", ".safetensors": "safetensors"}
@@ -55,16 +55,39 @@ def export_checkpoint(dirpath: str | os.PathLike[str] | Storage, output: str | o
         UnsupportedConfigurationError: an unknown ``format``, or ``output`` names a directory.
         StorageError: ``output`` cannot be written.
     """
-    output = os.fspath(output)
-    fmt = _format_for(output, format)
-    directory, name = _split_output(output)  # usage errors before a replay that may take minutes
+    fmt, output = output_target(output, format)  # usage errors before a replay that may take minutes
     result = load_state(dirpath, step, device=device, storage_options=storage_options, verify=verify,
                         allow_modules=allow_modules)
+    return write_checkpoint(result, output, format=fmt)
+
+
+def output_target(output: str | os.PathLike[str], format: str | None = None) -> tuple[str, str]:
+    """``(format, output)`` that :func:`write_checkpoint` would write, checked before any replay.
+
+    Raises:
+        UnsupportedConfigurationError: an unknown ``format``, or ``output`` names a directory.
+    """
+    output = os.fspath(output)
+    fmt = _format_for(output, format)
+    _split_output(output)
+    return fmt, output
+
+
+def write_checkpoint(result: dict[str, Any], output: str | os.PathLike[str], *,
+                     format: str | None = None) -> dict[str, Any]:
+    """Write ``result`` (what :func:`load_state` returns: full tensors, for a sharded run too) to
+    ``output`` as :func:`export_checkpoint` does, whole or not at all.
+
+    Returns:
+        as :func:`export_checkpoint`.
+    """
+    fmt, output = output_target(output, format)
+    directory, name = _split_output(output)
     data = _serialize(result, fmt)
     FsspecStorage(directory).write(name, data)
     return {"step": result["step"], "format": fmt, "bytes": len(data), "base_step": result["base_step"],
-            "replayed": result["replayed"], "replay_s": round(result["result"].replay_s, 4), "path": os.path.join(directory, name) if "://" not in output
-            else output}
+            "replayed": result["replayed"], "replay_s": round(result["result"].replay_s, 4),
+            "path": os.path.join(directory, name) if "://" not in output else output}
 
 
 def _format_for(output: str, fmt: str | None) -> str:

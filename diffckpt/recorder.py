@@ -118,7 +118,8 @@ class Recorder:
         gen = self.stream.start_session(body, gen)
         self.module = module
         self.writer = BackgroundWriter(self.stream, gen, self.options, after=step,
-                                       write_batch=self.tuning.settings.write_batch, fence=self.storage)
+                                       write_batch=self.tuning.settings.write_batch, fence=self.storage,
+                                       narrow_grads=self.stream is not self.store)
         self.tuning.start(step, self.writer, self._base_bytes_now)
         self._prev_step = self._last_base = step
         o, writer = self.options, self.writer

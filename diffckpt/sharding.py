@@ -17,8 +17,20 @@ import torch
 
 from .errors import UnsupportedConfigurationError
 
-__all__ = ["ELEMENTWISE", "assemble", "check_elementwise", "is_sharded", "local", "local_tree", "piece", "rank_prefix", "shard_table",
-           "sharded_like", "slice_of"]
+__all__ = [
+    "ELEMENTWISE",
+    "assemble",
+    "check_elementwise",
+    "is_sharded",
+    "local",
+    "local_tree",
+    "narrowed",
+    "piece",
+    "rank_prefix",
+    "shard_table",
+    "sharded_like",
+    "slice_of",
+]
 
 try:  # torch.distributed may be built without DTensor (some minimal builds)
     from torch.distributed.tensor import DTensor, Shard
@@ -117,6 +129,24 @@ def check_elementwise(optimizers: list[torch.optim.Optimizer]) -> None:
                 "piece on its own, which is exact only for optimizers that update every element from its own "
                 f"state and gradient (torch.optim {', '.join(ELEMENTWISE)} and their subclasses). Use one of "
                 "those, or torch.distributed.checkpoint for this run")
+
+
+def narrowed(g: torch.Tensor) -> torch.Tensor:
+    """``g`` in bfloat16 when that loses nothing, else ``g``.
+
+    FSDP2 with ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)`` reduces in bfloat16 and
+    hands the optimizer float32 gradients holding bfloat16 values: the low 16 bits of every
+    element are zero, and the bfloat16 copy is exact (replay casts it back to the parameter's
+    dtype). Clipping that engages rescales them in float32, so this is decided per tensor from
+    the bits, never from the policy. A sample is checked first, so ordinary float32 gradients
+    cost almost nothing.
+    """
+    if g.dtype != torch.float32 or g.numel() == 0 or not g.is_contiguous():
+        return g
+    bits = g.view(torch.int32).reshape(-1)
+    if bool((bits[:64] & 0xFFFF).any()) or bool((bits & 0xFFFF).any()):
+        return g
+    return g.to(torch.bfloat16)
 
 
 def slice_of(shape: list[int] | torch.Size, world: int, coord: int) -> tuple[slice, ...]:

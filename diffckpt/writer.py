@@ -29,6 +29,7 @@ from .errors import ConcurrentWriterError, DiffCkptError, StorageUnavailableErro
 from .format import BaseName, SegmentName, base_commit, encode_segment_parts
 from .options import CheckpointOptions
 from .runstore import RunStore
+from .sharding import narrowed
 from .storage import Storage
 from .storage.retry import RetryingStorage
 from .tree import pack_parts
@@ -60,7 +61,8 @@ class BackgroundWriter:
     """Owns the writer thread of one session (``gen``) of a run."""
 
     def __init__(self, store: RunStore, gen: int, options: CheckpointOptions, after: int,
-                 meter: Meter | None = None, write_batch: int | None = None, fence: Storage | None = None) -> None:
+                 meter: Meter | None = None, write_batch: int | None = None, fence: Storage | None = None,
+                 narrow_grads: bool = False) -> None:
         self.store = store
         self.gen = gen
         self.options = options
@@ -81,6 +83,7 @@ class BackgroundWriter:
         # is fenced by the run root's session files, whatever layout the newer job has.
         fence = storage if fence is None else fence
         self._fence = fence.with_cancel(self._abandon) if isinstance(fence, RetryingStorage) else fence
+        self.narrow_grads = narrow_grads  # store bfloat16-valued float32 gradients in 16 bits
         self._outage_since: float | None = None
         self._outage_error = ""
         self._outage_logged = 0.0
@@ -273,6 +276,10 @@ class BackgroundWriter:
         params = record.pop("fingerprint_params", None)
         if params is not None:
             record["fingerprint"] = fingerprint(params)
+        if self.narrow_grads:  # here, not on the training thread: it reads every gradient byte
+            for event in record["events"]:
+                if "grads" in event:
+                    event["grads"] = [[None if g is None else narrowed(g) for g in group] for group in event["grads"]]
         self._pending.append(record)
         if record.get("state") is not None and (self._cut_next or len(self._pending) >= self.write_batch):
             self._cut_next = False

@@ -1,5 +1,7 @@
 """``diffckpt export URL --step N -o FILE``: a step of a run as a plain checkpoint file
-(Lightning, torch or safetensors; :func:`diffckpt.export.export_checkpoint` does the work)."""
+(Lightning, torch or safetensors; :mod:`diffckpt.export` does the work). A sharded run is
+rebuilt from every rank's stream and written as full tensors, as :func:`diffckpt.load_state`
+returns them; damage met in a rank's stream names the rank."""
 
 from __future__ import annotations
 
@@ -7,9 +9,10 @@ import argparse
 import json
 import warnings
 
-from ..export import FORMATS, export_checkpoint
+from ..export import FORMATS, output_target, write_checkpoint
 from ..units import format_bytes
 from .common import open_run, progress, reemit, throughput
+from .sharded import load_named, open_sharded
 
 __all__ = ["add_arguments", "run"]
 
@@ -24,18 +27,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Replay the step and write it to ``args.output``."""
-    store, _, step = open_run(args)
+    store, inv, step = open_run(args)
+    fmt, output = output_target(args.output, args.format)  # usage errors before the replay
+    sharded = open_sharded(store, inv)
+    res = sharded.run.resolve(step) if sharded is not None else None
     progress(f"replaying step {'newest' if step is None else step}")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        done = export_checkpoint(store.storage, args.output, step, format=args.format, device=args.device,
-                                 verify=not args.no_verify, allow_modules=tuple(args.allow_module))
+        result = load_named(store.storage, step, device=args.device, verify=not args.no_verify,
+                            allow_modules=tuple(args.allow_module))
+        done = write_checkpoint(result, output, format=fmt)
     progress()
     reemit(caught)
+    if res is not None:
+        done["world_size"] = res.world_size
     if args.json:
         print(json.dumps(done, indent=2))
         return 0
+    ranks = f", full tensors from {res.world_size} rank streams" if res is not None else ""
     print(f"wrote {args.output}: step {done['step']} ({done['format']}, {format_bytes(done['bytes'])}, "
-          f"{done['bytes']} B; base {done['base_step']} + {done['replayed']} replayed steps)")
+          f"{done['bytes']} B; base {done['base_step']} + {done['replayed']} replayed steps{ranks})")
     print(throughput(done["replayed"], done["replay_s"]))
     return 0

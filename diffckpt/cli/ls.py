@@ -14,6 +14,7 @@ from ..inventory import Inventory
 from ..runstore import RunStore
 from ..units import format_bytes
 from .common import open_run, table, when
+from .sharded import describe_streams, open_sharded, render_streams
 
 __all__ = ["describe", "render", "run"]
 
@@ -98,13 +99,17 @@ def describe(store: RunStore, inv: Inventory) -> dict[str, Any]:
     newest_run = next(({"gen": g, "step": n, "ckpt_path": url} for g in inv.gens()
                        if (n := inv.newest_step(g)) is not None), None)
     avg = round(diff_bytes / diff_steps) if diff_steps else None
-    return {
+    d = {
         "url": url, "newest": newest_run, "sessions": sessions, "bases": bases,
         "segments": segments,
         "totals": {"bytes": total, "base_bytes": base_bytes, "diff_bytes": diff_bytes,
                    "other_bytes": total - base_bytes - diff_bytes, "diff_steps": diff_steps,
                    "avg_diff_bytes_per_step": avg},
     }
+    sharded = open_sharded(store, inv)
+    if sharded is not None:  # sharded sessions: their steps are durable in the ranks' streams
+        describe_streams(d, sharded)
+    return d
 
 
 def render(d: dict[str, Any]) -> str:
@@ -112,13 +117,18 @@ def render(d: dict[str, Any]) -> str:
     accelerate = any(str(s["framework"] or "").startswith("accelerate") for s in d["sessions"][-1:])
     how = (f'DiffCheckpointer(accelerator, "{url}").restore("last")' if accelerate else
            f'ckpt_path="{url}" (or "last" with DiffCheckpoint)')
-    lines = [f"run {url}", "no durable step yet (no committed base)" if newest is None else
-             f'newest durable step {newest["step"]} (g{newest["gen"]}): {how}', "", "sessions"]
+    streams = render_streams(d) if "ranks" in d else None
+    everywhere = f', {newest["world_size"]} ranks' if newest is not None and "world_size" in newest else None
+    nothing = "no step durable on every rank (see ranks)" if streams else "no durable step yet (no committed base)"
+    lines = [f"run {url}", nothing if newest is None else
+             f'newest step durable on every rank {newest["step"]} (g{newest["gen"]}{everywhere}): {how}'
+             if everywhere else f'newest durable step {newest["step"]} (g{newest["gen"]}): {how}', "", "sessions"]
     lines += table(["gen", "started", "resumed_from", "durable", "newest", "ckpt_path"], [
         [f"g{s['gen']}", "damaged" if s["damaged"] else when(s["started"]), str(s["resumed_from"]),
          (", ".join(f"{lo}..{hi}" for lo, hi in s["durable"]) or "-") + _every(s["options"]),
          str(s["newest_step"] if s["newest_step"] is not None else "-"), s["ckpt_path"] or "-"]
         for s in d["sessions"]])
+    lines += streams["sessions"] if streams else []
     lines += [f"  g{s['gen']} settings: " + " ".join(f"{k}={v}" for k, v in _flat(s["options"])
                                                  if _shown(k, v, s["options"]))
               + (f" codec={_codec_name(s['codec'])}" if s["codec"] else "")
@@ -126,15 +136,17 @@ def render(d: dict[str, Any]) -> str:
     lines += [f"  g{s['gen']} auto-tuned: " + "; ".join(
         f"step {t.get('step')}: " + " ".join(f"{k}={v}" for k, v in (t.get("settings") or {}).items())
         for t in s["tuning"]) for s in d["sessions"] if s.get("tuning")]
-    lines += ["", "bases", *table(["step", "gen", "size", "path"], [
-        [str(b["step"]), f"g{b['gen']}", format_bytes(b["bytes"]), b["path"]] for b in d["bases"]])]
+    lines += streams["ranks"] if streams else []
+    lines += ["", "bases", *(streams["bases"] if streams else table(["step", "gen", "size", "path"], [
+        [str(b["step"]), f"g{b['gen']}", format_bytes(b["bytes"]), b["path"]] for b in d["bases"]]))]
     lines += [f"  compacted: {b['step']} (g{b['gen']}) from base {c.get('from_base')}, "
               + (f"verified at step {b['step']}" if c.get("verified_through") == b["step"] else
                  f"fingerprints matched through step {c.get('verified_through')}")
               for b in d["bases"] if (c := b["compacted"])]
-    lines += ["", "segments", *table(["after..last", "gen", "steps", "size", "path"], [
-        [f"{s['after']}..{s['last']}", f"g{s['gen']}", str(s["steps"]), format_bytes(s["bytes"]),
-         s["path"]] for s in d["segments"]])]
+    lines += ["", "segments", *(streams["segments"] if streams else table(
+        ["after..last", "gen", "steps", "size", "path"],
+        [[f"{s['after']}..{s['last']}", f"g{s['gen']}", str(s["steps"]), format_bytes(s["bytes"]), s["path"]]
+         for s in d["segments"]]))]
     lines += ["", "totals"] + [f"  {label:<10}  {format_bytes(t[key])} ({t[key]} B)" for label, key in
                                (("on storage", "bytes"), ("bases", "base_bytes"))]
     diffs = f"{format_bytes(t['diff_bytes'])} ({t['diff_bytes']} B)"

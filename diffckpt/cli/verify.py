@@ -13,13 +13,14 @@ from typing import Any
 
 import torch
 
-from ..errors import DiffCkptError, UnsupportedConfigurationError
+from ..errors import CheckpointNotFoundError, DiffCkptError, UnsupportedConfigurationError
 from ..format import BaseName, SegmentName, decode_segment
 from ..inventory import Inventory
-from ..loading import load_state, replay_plan
+from ..loading import replay_plan
 from ..runstore import RestorePlan, RunStore, session_path
 from ..storage import Storage
-from .common import open_run, progress, reemit, throughput
+from .common import open_run, progress, reemit, table, throughput
+from .sharded import Sharded, Stream, load_named, open_sharded, sharded_notes
 
 __all__ = ["add_arguments", "run"]
 
@@ -132,17 +133,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "of the one before")
 
 
-def run(args: argparse.Namespace) -> int:
-    """Check the run named by ``args.url``; exit 1 when anything is damaged."""
-    store, inv, step = open_run(args)
-    plan = store.plan(step, inv)  # a step that is not durable is a usage error (exit 2): first
-    problems: list[dict[str, str]] = []
+Bad = Callable[..., None]
 
-    def bad(obj: str, message: str) -> None:
-        # Core messages usually start with the object's path already; do not repeat it.
-        message = message.removeprefix(f"{obj}: ").removeprefix(f"{obj} ")
-        problems.append({"object": obj, "problem": message})
 
+def _check_objects(store: RunStore, inv: Inventory, bad: Bad, label: str = "") -> tuple[int, set[BaseName], list[str]]:
+    """Check one run's (or one rank stream's) session files and the checksums of every base and
+    segment: ``(intact step records, unusable bases, uncommitted base folders)``."""
     unusable: set[BaseName] = set()  # what --deep leaves out: already reported
     for gen in sorted(set(inv.sessions) | {b.gen for b in inv.bases}):  # replay needs each one
         try:
@@ -154,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
     stray = sorted({p.rsplit("/", 1)[0] for p in inv.sizes if p.startswith("bases/")} - committed)
     total = len(inv.bases) + len(inv.segments)
     for i, base in enumerate(inv.bases):
-        progress(f"[{i + 1}/{total}] {base.dir}")
+        progress(f"{label}[{i + 1}/{total}] {base.dir}")
         try:
             store.load_base(base)
         except DiffCkptError as exc:
@@ -162,51 +158,153 @@ def run(args: argparse.Namespace) -> int:
             unusable.add(base)
     records = 0
     for i, seg in enumerate(inv.segments):
-        progress(f"[{len(inv.bases) + i + 1}/{total}] {seg.path}")
+        progress(f"{label}[{len(inv.bases) + i + 1}/{total}] {seg.path}")
         count, problem = _check_segment(store.storage, seg)
         records += count
         if problem is not None:
             bad(seg.path, problem)
-    progress(f"replaying step {plan.target} from base {plan.base.step}")
-    replay: dict[str, Any] = {"target": plan.target, "base_step": plan.base.step}
+    return records, unusable, stray
+
+
+def _target(store: RunStore, inv: Inventory, sh: Sharded | None, step: int | None) -> dict[str, Any]:
+    """``{"target", "base_step", "world_size"}`` to replay, or ``{"unresolved": why}``: of the
+    sharded session that holds ``step`` (with its world size; the base step is then each rank's
+    own), else of the plain run. Nothing durable on every
+    rank of a sharded root, while some rank holds a base, is damage to report, not a usage error."""
+    if sh is not None and sh.sessions:
+        try:
+            res = sh.run.resolve(step)
+        except CheckpointNotFoundError as exc:
+            if step is not None or not any(s.inv.bases for s in sh.streams):
+                raise
+            return {"unresolved": str(exc)}
+        if res is not None:
+            return {"target": res.step, "base_step": None, "world_size": res.world_size}
+    plan = store.plan(step, inv)  # a step that is not durable is a usage error (exit 2): first
+    return {"target": plan.target, "base_step": plan.base.step}
+
+
+def _for_rank(st: Stream, bad: Bad) -> Bad:
+    """``bad`` for rank ``st.rank``'s stream: paths named from the run root, the rank recorded."""
+    def report(obj: str, message: str) -> None:
+        message = message.removeprefix(f"{obj}: ").removeprefix(f"{obj} ")
+        bad(st.prefix + obj if "/" in obj else obj, message, st.rank)
+    return report
+
+
+def _check_stream(st: Stream, sh: Sharded, bad: Bad) -> dict[str, Any]:
+    """Check rank ``st.rank``'s stream as a run of its own, and that each sharded session it
+    took part in left it a shard table (without one its pieces cannot be reassembled)."""
+    mine = _for_rank(st, bad)
+    records, unusable, stray = _check_objects(st.store, st.inv, mine, f"rank {st.rank} ")
+    for gen, world in sorted(sh.sessions.items()):
+        if st.rank >= world or gen not in st.inv.sessions:
+            continue
+        try:
+            meta = st.store.session_meta(gen)
+        except (ValueError, DiffCkptError):
+            continue  # reported above
+        if not isinstance(meta.get("shards"), dict) or not meta["shards"]:
+            mine(session_path(gen), f"has no shard table: session g{gen}'s pieces on rank {st.rank} cannot be "
+                                    "placed in the full tensors")
+    return {"rank": st.rank, "path": st.prefix, "bases": len(st.inv.bases), "segments": len(st.inv.segments),
+            "records": records, "sessions": len(st.inv.sessions), "uncommitted": [st.prefix + d for d in stray],
+            "unusable": unusable}
+
+
+def _replay(store: RunStore, step: int | None, target: int | None, args: argparse.Namespace,
+            replay: dict[str, Any], bad: Bad) -> None:
+    """Replay ``step`` as a restore would (every rank's stream, for a sharded session), with
+    the fingerprints recorded in training checked, into ``replay``; damage met goes to ``bad``."""
+    progress(f"replaying step {target}")
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            result = load_state(store.storage, step, device=args.device, allow_modules=tuple(args.allow_module))
+            result = load_named(store.storage, step, device=args.device, allow_modules=tuple(args.allow_module))
         for message in reemit(caught):
             bad("replay", message)
-        replay.update(step=result["step"], replayed=result["replayed"],
-                      replay_s=round(result["result"].replay_s, 4))
-        if result["step"] != plan.target:
-            bad("replay", f"reached step {result['step']}, not the durable step {plan.target}")
+        replay.update(step=result["step"], replayed=result["replayed"], replay_s=round(result["result"].replay_s, 4))
+        if replay["base_step"] is None:  # sharded: rank 0's base (every rank's is at the same step)
+            replay["base_step"] = result["base_step"]
+        if result["step"] != target:
+            bad("replay", f"reached step {result['step']}, not the durable step {target}")
     except UnsupportedConfigurationError:
         raise  # needs --allow-module: a usage matter, not damage
     except (DiffCkptError, ValueError) as exc:  # ValueError: a damaged session file
         msg = str(exc)
-        bad("replay", msg if f"step {plan.target}" in msg else f"step {plan.target}: {msg}")
+        bad("replay", msg if f"step {target}" in msg else f"step {target}: {msg}")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check the run named by ``args.url`` (and each rank's stream of a sharded run); exit 1 when
+    anything is damaged."""
+    store, inv, step = open_run(args)
+    sh = open_sharded(store, inv)
+    replay = _target(store, inv, sh, step)
+    unresolved, target = replay.pop("unresolved", None), replay.get("target")
+    problems: list[dict[str, Any]] = []
+
+    def bad(obj: str, message: str, rank: int | None = None) -> None:
+        # Core messages usually start with the object's path already; do not repeat it.
+        message = message.removeprefix(f"{obj}: ").removeprefix(f"{obj} ")
+        problems.append({"object": obj, "problem": message, **({} if rank is None else {"rank": rank})})
+
+    records, unusable, stray = _check_objects(store, inv, bad)
+    streams = [_check_stream(st, sh, bad) for st in sh.streams] if sh is not None else []
+    notes = sharded_notes(sh) if sh is not None else []
+    if unresolved is not None:
+        bad("replay", unresolved)
+    else:
+        _replay(store, step, target, args, replay, bad)
     found = len(problems)
-    usable = [b for b in inv.bases if b not in unusable]
-    deep = _verify_deep(store, inv, usable, args, bad) if args.deep else None
+    deep = None
+    if args.deep:
+        deep = _verify_deep(store, inv, [b for b in inv.bases if b not in unusable], args, bad)
+        for st, report in zip(sh.streams if sh is not None else [], streams):
+            unusable_here = report.pop("unusable")
+            mine = _verify_deep(st.store, st.inv, [b for b in st.inv.bases if b not in unusable_here],
+                                args, _for_rank(st, bad))
+            report["deep"] = mine
+            for key in ("replayed_steps", "bases_compared", "chains", "seconds"):
+                deep[key] += mine[key]
+    for report in streams:
+        report.pop("unusable", None)
+        report["problems"] = sum(p.get("rank") == report["rank"] for p in problems)
     progress()
-    report = {"url": store.storage.url, "ok": not problems, "bases": len(inv.bases),
-              "segments": len(inv.segments), "records": records, "sessions": len(inv.sessions),
-              "uncommitted": stray, "replay": replay, "deep": deep, "problems": problems}
+    url = store.storage.url
+    bases, segments = len(inv.bases) + sum(r["bases"] for r in streams), len(inv.segments) + sum(
+        r["segments"] for r in streams)
+    records += sum(r["records"] for r in streams)
+    report = {"url": url, "ok": not problems, "bases": bases, "segments": segments, "records": records,
+              "sessions": len(inv.sessions), "uncommitted": stray + [u for r in streams for u in r["uncommitted"]],
+              "replay": replay, "deep": deep, "problems": problems}
+    if sh is not None:
+        report.update(ranks=streams, notes=notes, sharded={str(g): w for g, w in sorted(sh.sessions.items())})
     if args.json:
         print(json.dumps(report, indent=2))
         return int(bool(problems))
-    print(f"checked {store.storage.url}: bases {len(inv.bases)}, segments {len(inv.segments)} "
-          f"({records} intact step records), sessions {len(inv.sessions)}")
-    for d in stray:
+    print(f"checked {url}: bases {bases}, segments {segments} ({records} intact step records), "
+          f"sessions {len(inv.sessions)}" + (f"; {len(streams)} rank streams" if sh is not None else ""))
+    if streams:
+        print("\n".join(table(["rank", "bases", "segments", "records", "problems", "path"], [
+            [str(r["rank"]), str(r["bases"]), str(r["segments"]), str(r["records"]), str(r["problems"]), r["path"]]
+            for r in streams])))
+    for d in report["uncommitted"]:
         print(f"note: {d} has no COMMIT (an interrupted base write); restores ignore it")
+    for note in notes:
+        print(f"note: {note}")
     if "step" in replay:
+        on = (f" on each of the {replay['world_size']} ranks, reassembled into full tensors"
+              if replay.get("world_size") else "")
         print(f"replayed step {replay['step']} from base {replay['base_step']} "
-              f"({replay['replayed']} steps) with the fingerprints recorded in training checked")
+              f"({replay['replayed']} steps){on} with the fingerprints recorded in training checked")
         print(throughput(replay["replayed"], replay["replay_s"]))
     if deep is not None:
         print(f"deep: replayed {deep['replayed_steps']} steps across {deep['chains']} chains; " + (
             "every base equals the replay of the one before" if len(problems) == found else
             f"{len(problems) - found} problem(s), listed below"))
     for p in problems:
-        print(f"BAD {p['object']}: {p['problem']}")
+        rank = "" if p.get("rank") is None else f"rank {p['rank']} "
+        print(f"BAD {rank}{p['object']}: {p['problem']}")
     print(f"FAILED: {len(problems)} problem(s)" if problems else "OK: every checksum matches")
     return int(bool(problems))

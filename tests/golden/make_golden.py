@@ -285,7 +285,7 @@ def sharded_files(writer_cls: Any, store_cls: Any, storage_cls: Any, options: An
     """Write the rank streams of ``sharded/`` under ``root`` with the real background writer."""
     for rank in (0, 1):
         store = store_cls(storage_cls(str(root / f"ranks/r{rank:05d}")))
-        writer = writer_cls(store, GEN, options, after=0)
+        writer = writer_cls(store, GEN, options, after=0, narrow_grads=True)
         tree = rank_base(rank)
         writer.put_base(0, tree, [tree["model"][n] for n in PARAM_NAMES], 0)
         for record in rank_records(rank):

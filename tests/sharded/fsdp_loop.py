@@ -3,7 +3,7 @@
 Run as a script; it starts ``--world`` processes itself (so that a test can kill the whole tree).
 
     fsdp_loop.py OUT --steps N [--root ROOT [--resume] [--dump-restored] [--stall R:REGEX]]
-                 [--world W] [--unsharded] [--full-at K] [--auto] [--keep-last-bases N]
+                 [--world W] [--unsharded] [--full-at K] [--auto] [--keep-last-bases N] [--bf16] [--clip C] [--micro M]
 
 Without ``--root`` nothing of diffckpt is used (the reference run). Every step draws its data from
 a generator seeded by (step, rank, micro-batch), so a resumed run sees what the original saw; the
@@ -57,7 +57,7 @@ class Stalling:
         return getattr(self.inner, name)
 
 
-def make(sharded: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+def make(sharded: bool, bf16: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
     torch.manual_seed(0)
     # dim 0 sizes 5, 3 and 1: every split over 2 ranks is uneven and rank 1 holds empty pieces
     m = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Dropout(0.2), torch.nn.ReLU(), torch.nn.Linear(5, 3),
@@ -67,10 +67,15 @@ def make(sharded: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        kw: dict[str, Any] = {}
+        if bf16:
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
         for layer in m:
             if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(m, mesh=mesh)
+                fully_shard(layer, mesh=mesh, **kw)
+        fully_shard(m, mesh=mesh, **kw)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
     return m, opt, torch.optim.lr_scheduler.StepLR(opt, 3, 0.7)
 
@@ -110,7 +115,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    m, opt, sched = make(not args.unsharded)
+    m, opt, sched = make(not args.unsharded, args.bf16)
     torch.manual_seed(1000 + rank)
     first, engine = 0, None
     if args.root:
@@ -141,10 +146,10 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
                     torch.save(dict(state, step=first), os.path.join(args.out, "restored.pt"))
         engine.begin(m, [opt], first, LoopState(sched))
     for step in range(first + 1, args.steps + 1):
-        for micro in range(2):
+        for micro in range(args.micro):
             x = torch.randn(6, 4, generator=torch.Generator().manual_seed(1000 * step + 10 * rank + micro))
-            (m(x).pow(2).mean() / 2).backward()
-        torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+            (m(x).pow(2).mean() / args.micro).backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), args.clip)
         opt.step()
         sched.step()
         opt.zero_grad()
@@ -173,6 +178,9 @@ def main() -> None:
     p.add_argument("--unsharded", action="store_true", help="a plain module, no fully_shard (with --world 1)")
     p.add_argument("--full-at", type=int, nargs="*", default=[])
     p.add_argument("--dump-restored", action="store_true")
+    p.add_argument("--bf16", action="store_true", help="MixedPrecisionPolicy: bfloat16 parameters and reduction")
+    p.add_argument("--micro", type=int, default=2, help="micro-batches accumulated per step")
+    p.add_argument("--clip", type=float, default=0.05, help="gradient norm clipping (inf: never engages)")
     p.add_argument("--stall", metavar="RANK:REGEX")
     p.add_argument("--auto", action="store_true", help="every_n_steps and write_batch tuned automatically")
     p.add_argument("--keep-last-bases", type=int, help="retention beside training")

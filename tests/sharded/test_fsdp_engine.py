@@ -198,3 +198,30 @@ def test_auto_tuning_and_retention_beside_sharded_training(reference, tmp_path):
     state = diffckpt.load_state(root)
     assert state["step"] == STEPS
     assert_full_equal(load(reference / f"full{STEPS}.pt"), state)
+
+
+def _stored_grad_dtypes(root: Path, rank: int) -> set[torch.dtype]:
+    from diffckpt.format import decode_segment
+
+    dtypes = set()
+    for seg in (root / f"ranks/r{rank:05d}/diffs").glob("*.seg"):
+        _, records, _ = decode_segment(seg.read_bytes(), str(seg))
+        dtypes |= {g.dtype for r in records for e in r["events"] for grp in e["grads"] for g in grp if g is not None and g.numel()}
+    return dtypes
+
+
+def test_bfloat16_reduction_is_stored_in_16_bits_and_resumes_bitwise(tmp_path):
+    # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16), no clipping that engages and no
+    # accumulation (a float32 sum of two reductions): the float32 gradients the optimizer gets
+    # hold bfloat16 values, stored losslessly in 16 bits.
+    args = ["--bf16", "--clip", "inf", "--micro", "1"]
+    train(tmp_path / "ref", 8, *args)
+    root = tmp_path / "run"
+    train(tmp_path / "a", 8, *args, "--root", str(root), kill_at=5)
+    assert _stored_grad_dtypes(root, 0) == {torch.bfloat16} and _stored_grad_dtypes(root, 1) == {torch.bfloat16}
+    train(tmp_path / "b", 8, *args, "--root", str(root), "--resume")
+    assert_same_pieces(tmp_path / "ref", tmp_path / "b")
+    # Clipping that engages rescales them in float32: then they are kept in 32 bits.
+    clipped = tmp_path / "clipped"
+    train(tmp_path / "c", 3, "--bf16", "--micro", "1", "--root", str(clipped))
+    assert torch.float32 in _stored_grad_dtypes(clipped, 0)
