@@ -6,7 +6,7 @@ unpadded ``torch.chunk`` of the full tensor, and trailing ranks may hold 0 rows.
 only its pieces, as plain tensors, so its stream is an ordinary run of plain tensors; the *shard
 table* (written once per session) says where each piece sits in the full tensor, which is all a
 reader needs to reassemble or re-slice it on another number of processes, without a process
-group. See ``docs/sharded.md`` and ``docs/format.md`` section 9.
+group. See ``docs/sharded.md`` and ``docs/format.md`` section 12.
 """
 
 from __future__ import annotations
