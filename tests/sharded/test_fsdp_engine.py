@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -167,11 +168,17 @@ def test_one_ranks_damaged_or_missing_segment(reference, tmp_path):
 
 def test_nothing_durable_on_every_rank_is_a_clear_error(tmp_path):
     root = tmp_path / "run"
-    train(tmp_path / "a", 4, "--root", str(root))
+    shutil.copytree(Path(ROOT) / "tests/golden/sharded", root)  # a two-rank run, steps 0..4
     for p in (root / "ranks/r00001/bases").glob("*/COMMIT"):
-        p.unlink()
+        p.unlink()  # rank 1's only base never committed: no step is restorable on rank 1
     with pytest.raises(diffckpt.CheckpointNotFoundError, match="no step is durable on every rank.*g1 \\(2 ranks\\)"):
         diffckpt.load_state(root)
+
+
+def test_the_example_resumes_bit_exact():
+    rc, log = run_script("examples/sharded_train.py", ["--steps", "12", "--kill-at", "7"])
+    assert rc == 0, log
+    assert "killed the job with SIGKILL after step 7" in log and "bit-exact" in log and "NOT" not in log
 
 
 def test_s3_per_rank_writers(reference, s3_bucket, tmp_path):
