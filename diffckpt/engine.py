@@ -173,6 +173,7 @@ class CheckpointEngine(Recorder):
             return
         meta = {"torch": torch.__version__, "world_size": self.world_size, **(meta or {})}
         gen = None
+        self.stream, self.collects_garbage = self.store, True  # an earlier sharded session's are gone
         if table is not None:  # every rank writes its own stream, in the session the root names
             gen = self._claim_sharded_session(meta, step)
             self.stream = ShardedRun(self.storage).stream(self.rank)

@@ -28,7 +28,7 @@ from .errors import CheckpointNotFoundError, CorruptRecordError, IncompatibleChe
 from .inventory import Inventory
 from .loading import replay_plan
 from .runstore import RunStore, session_path
-from .sharding import assemble, local, piece, rank_prefix, sharded_like
+from .sharding import RANKS_DIR, assemble, local, piece, rank_prefix, sharded_like
 from .storage import Storage
 from .storage.prefixed import substorage
 
@@ -60,19 +60,23 @@ class ShardedRun:
             self._streams[rank] = RunStore(substorage(self.storage, rank_prefix(rank)))
         return self._streams[rank]
 
+    def world(self, gen: int) -> int | None:
+        """The world size of root session ``gen`` if it is sharded, else ``None``."""
+        try:
+            meta = json.loads(self.storage.read(session_path(gen)))
+        except (CheckpointNotFoundError, ValueError, RecursionError):
+            return None  # damaged or vanished: not readable as a sharded session
+        sharded = meta.get("sharded") if isinstance(meta, dict) else None
+        if isinstance(sharded, dict) and isinstance(sharded.get("world_size"), int):
+            return sharded["world_size"]
+        return None
+
     def sessions(self, inv: Inventory | None = None) -> dict[int, int]:
-        """``{gen: world size}`` of the root's sharded sessions."""
+        """``{gen: world size}`` of the root's sharded sessions (none without rank streams)."""
         inv = inv or self.root.inventory()
-        out = {}
-        for gen in inv.sessions:
-            try:
-                meta = json.loads(self.storage.read(session_path(gen)))
-            except (CheckpointNotFoundError, ValueError, RecursionError):
-                continue  # damaged or vanished: not readable as a sharded session
-            sharded = meta.get("sharded") if isinstance(meta, dict) else None
-            if isinstance(sharded, dict) and isinstance(sharded.get("world_size"), int):
-                out[gen] = sharded["world_size"]
-        return out
+        if not any(p.startswith(RANKS_DIR + "/") for p in inv.sizes):
+            return {}
+        return {gen: w for gen in inv.sessions if (w := self.world(gen)) is not None}
 
     def inventories(self, world: int) -> list[Inventory]:
         return [self.stream(r).inventory() for r in range(world)]
@@ -97,18 +101,19 @@ class ShardedRun:
             CheckpointNotFoundError: nothing is durable on every rank, or ``step`` is not.
         """
         top = self.root.inventory()
-        sharded = self.sessions(top)
-        if not sharded:
-            return None
+        if not any(p.startswith(RANKS_DIR + "/") for p in top.sizes):
+            return None  # no rank streams: an ordinary run (one listing, no session reads)
         plain = {b.gen for b in top.bases}
         seen: dict[int, list[Inventory]] = {}
         spans = []
-        for gen in sorted(set(sharded) | plain, reverse=True):
-            if gen not in sharded:
+        for gen in sorted(set(top.sessions) | plain, reverse=True):  # newest first, read lazily
+            world = None if gen in plain else self.world(gen)
+            if world is None:
+                if gen not in plain:
+                    continue  # a session that never committed a base at the root
                 if step is None or any(self.root._plan_for(top, b, step) for b in top.bases if b.gen == gen):
                     return None
                 continue
-            world = sharded[gen]
             invs = seen.setdefault(world, self.inventories(world))
             newest = self.durable(gen, invs)
             spans.append(f"g{gen} ({world} ranks): {'none' if newest is None else f'up to {newest}'}")
