@@ -16,13 +16,12 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 from diffckpt.codecs import Codec
 from diffckpt.codecs.compressor import GradientCompressor
 from diffckpt.engine import CheckpointEngine
-from diffckpt.errors import DiffCkptError, UnsupportedConfigurationError
+from diffckpt.errors import DiffCkptError
 from diffckpt.options import (
     DEFAULT_BASE_EVERY_N_STEPS,
     DEFAULT_EVERY_N_STEPS,
@@ -33,6 +32,7 @@ from diffckpt.options import (
 )
 from diffckpt.rng import get_rng_state, set_rng_state
 
+from . import model_parallel
 from .compression import GradientCompression
 from .references import drop_last_candidate, last_candidate, write_reference
 from .samplers import SamplerOrderTracker
@@ -119,12 +119,10 @@ class DiffCheckpoint(ModelCheckpoint):
         # Per-run state: a previous fit that ended in an exception must not leak into this one.
         self._deferred = self._epoch_end = False
         strategy = trainer.strategy
-        if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) or type(strategy).__name__ in (
-                "FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy"):
-            raise UnsupportedConfigurationError(
-                f"DiffCheckpoint does not support {type(strategy).__name__}: sharded parameters and "
-                "optimizer states cannot be replayed from one rank's diffs yet. Use a single device "
-                "or strategy='ddp', or use Lightning's ModelCheckpoint for this run")
+        if model_parallel.check_strategy(strategy, codec=self._compression is not None):
+            # ModelParallelStrategy saves and loads without CheckpointIO: methods bound on the
+            # strategy object route both through diffckpt (see model_parallel.py for why there).
+            model_parallel.install(trainer, self)
         if isinstance(strategy.checkpoint_io, DiffCheckpointIO):
             strategy.checkpoint_io.attach(self)
         if stage == "fit" and trainer.world_size > 1:
@@ -133,6 +131,7 @@ class DiffCheckpoint(ModelCheckpoint):
             self._compression.setup(trainer, pl_module, stage)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        model_parallel.check_sharded(trainer, pl_module)
         if self._compression is not None:
             self._compression.on_train_start(trainer, pl_module)
         self.engine.begin(pl_module, list(trainer.optimizers), trainer.global_step,
@@ -249,6 +248,7 @@ class DiffCheckpoint(ModelCheckpoint):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._close("teardown")
+        model_parallel.uninstall(trainer.strategy)
         drop_last_candidate(self._last)
         self._last = None
 

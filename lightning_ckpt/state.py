@@ -18,7 +18,7 @@ from diffckpt.rng import get_rng_state
 if TYPE_CHECKING:
     from .callback import DiffCheckpoint
 
-__all__ = ["StepState", "checkpoint_dict"]
+__all__ = ["StepState", "checkpoint_dict", "framework_dict"]
 
 
 class StepState:
@@ -37,10 +37,13 @@ class StepState:
     def state(self, ranks: list[Any]) -> dict[str, Any]:
         # DiffCheckpoint.state_dict, called by dump_checkpoint, adds the RNG, where to restore it
         # and, under DDP, every rank's part.
+        from .model_parallel import states_skipped
+
         cb = self.callback
         cb._capture_at, cb._rank_states = self.restore_at, ranks if len(ranks) > 1 else None
         try:
-            ckpt = self.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+            with states_skipped(self.trainer.strategy):  # no sharded state dicts built to be dropped
+                ckpt = self.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         finally:
             cb._capture_at, cb._rank_states = "batch_start", None
         ckpt.pop("state_dict", None)  # replay rebuilds these two
@@ -48,9 +51,9 @@ class StepState:
         return ckpt
 
 
-def checkpoint_dict(state: dict[str, Any], callback: DiffCheckpoint, module: torch.nn.Module,
-                    optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
-    """The complete Lightning checkpoint of a replayed step, with this rank's RNG and position."""
+def framework_dict(state: dict[str, Any], callback: DiffCheckpoint) -> dict[str, Any]:
+    """The Lightning checkpoint of a replayed step, with this rank's RNG and position, without
+    model and optimizer states (replay has put them into the live objects)."""
     ckpt = dict(state)
     ours = ckpt.get("callbacks", {}).get(callback.state_key, {})
     mine = callback.engine.own(ours["ranks"]) if ours.get("ranks") else None
@@ -60,6 +63,13 @@ def checkpoint_dict(state: dict[str, Any], callback: DiffCheckpoint, module: tor
         fit_loop["state_dict"] = dict(fit_loop.get("state_dict", {}), **mine["loops"])
         if mine.get("sampler_rng") is not None:
             callback._order.replay = mine["sampler_rng"]
+    return ckpt
+
+
+def checkpoint_dict(state: dict[str, Any], callback: DiffCheckpoint, module: torch.nn.Module,
+                    optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
+    """The complete Lightning checkpoint of a replayed step, with this rank's RNG and position."""
+    ckpt = framework_dict(state, callback)
     ckpt["state_dict"] = module.state_dict()
     ckpt["optimizer_states"] = [o.state_dict() for o in optimizers]
     return ckpt

@@ -76,12 +76,18 @@ class Recorder(L.Callback):
         self.full = full
         self.steps: dict[int, dict] = {}
 
-    def on_train_batch_end(self, trainer, pl_module, *args):
+    def _gather(self, trainer, pl_module) -> None:
         step = trainer.global_step
         if self.full and step not in self.steps:  # every rank takes part in the gathers
             self.steps[step] = tensors(pl_module, trainer.optimizers[0], full)
+
+    def on_train_start(self, trainer, pl_module):
+        self._gather(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        self._gather(trainer, pl_module)
         if trainer.is_global_zero:
-            print(f"STEP {step}", flush=True)
+            print(f"STEP {trainer.global_step}", flush=True)
 
 
 def main(argv: list[str]) -> None:

@@ -183,14 +183,6 @@ def test_resume_with_a_different_model_or_optimizer_is_refused(tmp_path):
     assert diffckpt.load_state(str(tmp_path / "run"))["step"] == 4
 
 
-def test_sharded_strategies_are_refused(tmp_path):
-    from lightning.pytorch.strategies import ModelParallelStrategy
-
-    # FSDP and DeepSpeed cannot even be constructed on a CPU-only machine; ModelParallel can.
-    with pytest.raises(UnsupportedConfigurationError, match="ModelParallelStrategy"):
-        _fit(tmp_path, _Tiny(), strategy=ModelParallelStrategy(), devices=1)
-
-
 class _Failing(_Tiny):
     def training_step(self, batch, batch_idx):
         if self.global_step == 2:
