@@ -11,10 +11,11 @@ An adapter (Lightning, Accelerate, a plain loop under ``torch.distributed``) cal
   (a framework's own save, the end of training),
 - :meth:`~CheckpointEngine.end` when training stops.
 
-The engine decides which processes write (rank 0 today) and does every exchange between ranks
-itself through its :class:`~diffckpt.collective.Collective`: gathering each rank's RNG and data
-position at restorable steps and its codec state at bases, sending rank 0's tuning decisions, and
-agreeing on the step to restore. What is framework-specific reaches it through a
+The engine decides which processes write (rank 0 under DDP, every rank its own stream under
+sharded training) and does every exchange between ranks itself through its
+:class:`~diffckpt.collective.Collective` (:mod:`diffckpt.coordination`): gathering each rank's RNG
+and data position at restorable steps and its codec state at bases (DDP), sending rank 0's tuning
+decisions, and agreeing on the step to restore (:mod:`diffckpt.resumption`). What is framework-specific reaches it through a
 :class:`FrameworkState`, which it asks only when a step is restorable. The single-writer calls it
 is built on (:class:`~diffckpt.recorder.Recorder`: ``start``, ``record_step``, ``write_base``,
 ``close``, ``restore``) remain available for a single-process loop.
@@ -28,28 +29,21 @@ import os
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from .codecs.compressor import GradientCompressor
-from .collective import Collective, default_collective
-from .errors import CheckpointNotFoundError, DiffCkptError, UnsupportedConfigurationError
-from .loading import load_state
+from .collective import Collective
+from .errors import DiffCkptError, UnsupportedConfigurationError
 from .options import CheckpointOptions
-from .recorder import Recorder
-from .replay import ReplayResult
-from .shardedrun import Resolution, ShardedRun, load_into_live
+from .resumption import Resuming
+from .shardedrun import ShardedRun
 from .sharding import check_elementwise, is_sharded, shard_table
 from .storage import Storage
 from .tuning.model import AUTO, tuning_metrics
 
 __all__ = ["CheckpointEngine", "Committed", "FrameworkState"]
-
-
-def _modules_of(optimizers: list[torch.optim.Optimizer]) -> tuple[str, ...]:
-    """The modules of the optimizer classes in use: replay may rebuild those (and torch's)."""
-    return ("torch.", *sorted({type(o).__module__ for o in optimizers}))
 
 log = logging.getLogger("diffckpt")
 
@@ -91,7 +85,7 @@ class _Clock:
             self.base = step
 
 
-class CheckpointEngine(Recorder):
+class CheckpointEngine(Resuming):
     """Differential checkpointing of one model and its optimizers into one run root.
 
     Args:
@@ -104,39 +98,12 @@ class CheckpointEngine(Recorder):
 
     def __init__(self, dirpath: str | os.PathLike[str] | Storage, options: CheckpointOptions | None = None,
                  storage_options: dict[str, Any] | None = None, *, collective: Collective | None = None) -> None:
-        super().__init__(dirpath, options, storage_options)
-        self._collective = collective
+        super().__init__(dirpath, options, storage_options, collective=collective)
         self._compressor: GradientCompressor | None = None
-        self._restored: tuple[int, Any] | None = None  # (step, state) that resume() replayed
         self._clock: _Clock | None = None  # kept after end(): what the last session reached
         self._open = False  # between begin() and end()
         self._waiting: list[tuple[int, Callable[[], Any], str]] = []  # when_restorable() until a commit
         self._sharded = False  # the session records sharded parameters: every rank writes its stream
-
-    # ----------------------------------------------------------------- processes
-    @property
-    def collective(self) -> Collective:
-        """The processes training together: the one given, else the default process group when
-        it spans several processes (looked up at each use: it may be set up after the engine)."""
-        return self._collective if self._collective is not None else default_collective()
-
-    @property
-    def rank(self) -> int:
-        return self.collective.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.collective.world_size
-
-    @property
-    def is_main_process(self) -> bool:
-        """Whether this process writes what exists once per run (sessions, references)."""
-        return self.collective.rank == 0
-
-    def agree(self, flag: bool) -> bool:
-        """Whether ``flag`` holds on any process (every rank calls): e.g. a stop request that
-        one rank received, so that every rank stops at the same step."""
-        return self.collective.any(flag)
 
     @property
     def recorded_step(self) -> int:
@@ -309,188 +276,6 @@ class CheckpointEngine(Recorder):
         else:
             fn()
 
-    # ------------------------------------------------------------------- restore
-    def resume(self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
-               step: int | Literal["last"] | None = None, *, dirpath: str | None = None,
-               compressor: GradientCompressor | None = None, missing_ok: bool = False) -> ReplayResult | None:
-        """Restore ``step`` (``"last"`` or ``None``: the newest durable one) on every rank (every
-        rank calls).
-
-        Rank 0 resolves the step, falling back over damage for ``None``, and every rank replays
-        that same step onto its ``module`` and ``optimizers``; with a ``compressor``, each rank
-        gets its own codec state. ``dirpath`` restores from another run root. With
-        ``missing_ok``, ``None`` is returned when ``step`` is ``None`` and nothing is durable yet.
-        A later :meth:`begin` at the restored step writes the restored state as its base.
-
-        Raises:
-            the errors of :meth:`~diffckpt.CheckpointEngine.restore`, on rank 0; the other ranks
-            raise :class:`DiffCkptError` saying that rank 0 failed.
-        """
-        if step == "last":
-            step = None
-        elif step is not None and (not isinstance(step, int) or isinstance(step, bool)):
-            raise ValueError(f"step must be None, 'last' or a step number, got {step!r}")
-        engine = self
-        if dirpath is not None and str(dirpath).rstrip("/") != self.storage.url.rstrip("/"):
-            engine = type(self)(dirpath, storage_options=self.storage_options)
-        # Where the step lies decides how it is rebuilt: a sharded session is replayed stream by
-        # stream (each rank its own, when the layout is the same), anything else as before.
-        found = self._decided(lambda: self._locate(engine, step, missing_ok))
-        if found[0] == "none":
-            return None
-        sharded_here = is_sharded(module)
-        if found[0] == "sharded":
-            res = found[1]
-            if sharded_here and res.world_size == self.world_size:
-                return self._restore_pieces(engine, module, optimizers, res, exact=step is not None)
-            return self._restore_full(engine, module, optimizers, res.step if step is not None else None)
-        if sharded_here:  # an unsharded run onto sharded parameters: cut from full tensors
-            return self._restore_full(engine, module, optimizers, step)
-        coll = self.collective
-        if coll.world_size == 1:
-            return self._restore_here(engine, module, optimizers, step, compressor, missing_ok)
-        # Every rank must continue from the same step (DDP does not broadcast parameters again):
-        # rank 0 resolves it, falling back over damage, and the others replay exactly that one.
-        if self.is_main_process:
-            try:
-                result = self._restore_here(engine, module, optimizers, step, compressor, missing_ok)
-            except BaseException as exc:
-                coll.broadcast(("error", f"{type(exc).__name__}: {exc}"))
-                raise
-            coll.broadcast(("step", None if result is None else result.step))
-            return result
-        kind, value = coll.broadcast(None)
-        if kind == "error":
-            raise DiffCkptError(f"restore failed on process 0 ({value}); no process was restored there")
-        if value is None:
-            return None
-        return self._restore_here(engine, module, optimizers, value, compressor, False)
-
-    # ----------------------------------------------------------- sharded restore
-    def _decided(self, fn: Callable[[], Any]) -> Any:
-        """``fn()`` run on rank 0 and sent to every rank, or rank 0's error raised everywhere."""
-        coll = self.collective
-        if coll.world_size == 1:
-            return fn()
-        if self.is_main_process:
-            try:
-                value = fn()
-            except BaseException as exc:
-                coll.broadcast(("error", f"{type(exc).__name__}: {exc}"))
-                raise
-            coll.broadcast(("ok", value))
-            return value
-        kind, value = coll.broadcast(None)
-        if kind == "error":
-            raise DiffCkptError(f"restore failed on process 0 ({value}); no process was restored")
-        return value
-
-    @staticmethod
-    def _locate(engine: CheckpointEngine, step: int | None, missing_ok: bool) -> tuple[Any, ...]:
-        """``("sharded", Resolution)``, ``("plain",)``, or ``("none",)`` when ``missing_ok`` and
-        nothing is durable yet."""
-        try:
-            res = ShardedRun(engine.storage).resolve(step)
-        except CheckpointNotFoundError:
-            if step is not None or not missing_ok:
-                raise
-            log.warning("diffckpt: %s holds no step durable on every rank yet; starting at step 0",
-                        engine.storage.url)
-            return ("none",)
-        if res is not None:
-            return ("sharded", res)
-        if step is None and missing_ok and not engine.run_exists():
-            log.info("diffckpt: nothing to restore under %s; starting at step 0", engine.storage.url)
-            return ("none",)
-        return ("plain",)
-
-    def _everyone(self, fn: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any] | None, list[tuple[str, Any]]]:
-        """``fn()`` (a replayed state) on every rank: this rank's state, and every rank's
-        ``("ok", step)`` or ``("error", message)``, so that one rank's failure stops all and none
-        waits forever. Only the small outcome is exchanged."""
-        value: dict[str, Any] | None = None
-        try:
-            value = fn()
-            mine: tuple[str, Any] = ("ok", value["step"])
-        except Exception as exc:  # any failure: every rank must hear of it, or the others wait forever
-            log.debug("diffckpt: restore failed on rank %d", self.rank, exc_info=True)
-            mine = ("error", f"{type(exc).__name__}: {exc}")
-        coll = self.collective
-        if coll.world_size == 1:
-            return value, [mine]
-        gathered = coll.gather(mine)  # every rank takes part; rank 0 gets the list
-        return value, coll.broadcast(gathered)
-
-    @staticmethod
-    def _outcome(url: str, step: int, outcome: list[tuple[str, Any]]) -> list[int]:
-        errors = [f"rank {r}: {v}" for r, (kind, v) in enumerate(outcome) if kind == "error"]
-        if errors:
-            raise DiffCkptError(f"restoring step {step} of {url} failed: {'; '.join(errors)}")
-        return [v for _, v in outcome]
-
-    def _restore_pieces(self, engine: CheckpointEngine, module: torch.nn.Module,
-                        optimizers: list[torch.optim.Optimizer], res: Resolution, exact: bool) -> ReplayResult:
-        """Same layout: each rank replays its own stream, in parallel, with no exchange but one
-        small outcome per rank; ranks that reach different steps (a stream damaged after the
-        step every listing showed) all go back to the lowest."""
-        run, target = ShardedRun(engine.storage), res.step
-        mine: dict[str, Any] | None = None
-        allow = _modules_of(optimizers)
-        while True:
-            def replay(upto: int = target, kept: dict[str, Any] | None = mine) -> dict[str, Any]:
-                if kept is not None and kept["step"] == upto:  # this rank is there already
-                    return kept
-                return run.replay_rank(res, self.rank, upto, exact=exact or upto != res.step, allow_modules=allow)
-
-            mine, outcome = self._everyone(replay)
-            steps = self._outcome(engine.storage.url, target, outcome)
-            if len(set(steps)) == 1:
-                break
-            target = min(steps)
-        assert mine is not None
-        load_into_live(module, optimizers, mine, pieces=True)
-        return self._restored_from(engine, mine)
-
-    def _restore_full(self, engine: CheckpointEngine, module: torch.nn.Module,
-                      optimizers: list[torch.optim.Optimizer], step: int | None) -> ReplayResult:
-        """Another layout: full tensors rebuilt from every stream (in each process), then cut to
-        what each parameter here holds. Rank 0 settles the step first, so that all agree."""
-        allow = _modules_of(optimizers)
-        first: dict[str, Any] = {}
-
-        def settle() -> int:
-            first["full"] = load_state(engine.storage, step, allow_modules=allow)
-            return first["full"]["step"]
-
-        settled = self._decided(settle)
-        full, outcome = self._everyone(lambda: first.get("full") or load_state(engine.storage, settled,
-                                                                              allow_modules=allow))
-        self._outcome(engine.storage.url, settled, outcome)
-        assert full is not None
-        load_into_live(module, optimizers, full, pieces=False)
-        log.info("diffckpt: restored step %d onto another layout (%d process(es) here); training continues from "
-                 "it exactly, but not bit-identically to the original run, because the reductions change",
-                 full["step"], self.world_size)
-        return self._restored_from(engine, full)
-
-    def _restored_from(self, engine: CheckpointEngine, loaded: dict[str, Any]) -> ReplayResult:
-        result: ReplayResult = loaded["result"]
-        result.step, result.state = loaded["step"], loaded["state"]
-        self._restored = (result.step, result.state)
-        log.info("diffckpt: restored step %d from %s (base %d + %d replayed steps)", result.step,
-                 engine.storage.url, loaded["base_step"], loaded["replayed"])
-        return result
-
-    def own(self, ranks: list[Any]) -> Any:
-        """This rank's entry of a per-rank list recorded at a step, or ``None`` (with a warning)
-        when the run was recorded on another number of processes."""
-        if len(ranks) == self.world_size:
-            return ranks[self.rank]
-        log.warning("diffckpt: the run was trained on %d processes and resumes on %d; each rank's data "
-                    "position and RNG depend on the process count and cannot be carried over, so rank "
-                    "0's are used (the resumed run will not be bit-exact)", len(ranks), self.world_size)
-        return None
-
     # ------------------------------------------------------------------ internals
     def _writes(self) -> bool:
         """Whether this process records: rank 0 of data-parallel training (every rank applied
@@ -565,25 +350,3 @@ class CheckpointEngine(Recorder):
         if decision is None or self.tuning.last_review is None:
             return {}
         return tuning_metrics(*self.tuning.last_review)
-
-    def _restore_here(self, engine: CheckpointEngine, module: torch.nn.Module,
-                      optimizers: list[torch.optim.Optimizer], step: int | None,
-                      compressor: GradientCompressor | None, missing_ok: bool) -> ReplayResult | None:
-        """Replay ``step`` from ``engine``'s run root in this process (``None`` if missing_ok and
-        nothing is durable yet) and keep its state for :meth:`begin`."""
-        url = engine.storage.url
-        if step is None and missing_ok and not engine.run_exists():
-            log.info("diffckpt: nothing to restore under %s; starting at step 0", url)
-            return None
-        try:
-            result = engine.restore(module, optimizers, step, compressor=compressor, rank=self.rank)
-        except CheckpointNotFoundError:
-            if step is not None or not missing_ok:
-                raise
-            log.warning("diffckpt: %s holds no durable step yet (the run was stopped before its first "
-                        "base was written); starting at step 0", url)
-            return None
-        self._restored = (result.step, result.state)
-        log.info("diffckpt: restored step %d from %s (base %d + %d replayed steps)", result.step, url,
-                 result.base_step, result.replayed)
-        return result

@@ -19,12 +19,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import warnings
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 
-from .errors import CheckpointNotFoundError, CorruptRecordError, IncompatibleCheckpointError
+from .errors import (
+    CheckpointNotFoundError,
+    CorruptRecordError,
+    DiffCkptError,
+    IncompatibleCheckpointError,
+)
 from .inventory import Inventory
 from .loading import replay_plan
 from .runstore import RunStore, session_path
@@ -83,9 +89,16 @@ class ShardedRun:
 
     @staticmethod
     def durable(gen: int, invs: list[Inventory]) -> int | None:
-        """The newest step of session ``gen`` durable on every rank (``None``: a rank has none)."""
-        ends = [inv.newest_step(gen) for inv in invs]
-        return None if any(e is None for e in ends) else min(e for e in ends if e is not None)
+        """The newest step of session ``gen`` that every rank's stream rebuilds (``None``: none).
+
+        Not simply the smallest of the ranks' newest steps: a rank ahead may no longer reach
+        that step (its older base compacted away), so the spans every rank reaches are
+        intersected."""
+        common = invs[0].durable_spans(gen) if invs else []
+        for inv in invs[1:]:  # merged, sorted spans: their pairwise overlaps stay sorted
+            common = [(max(a, c), min(b, d)) for a, b in common for c, d in inv.durable_spans(gen)
+                      if max(a, c) <= min(b, d)]
+        return common[-1][1] if common else None
 
     @staticmethod
     def reaches(gen: int, step: int, invs: list[Inventory]) -> bool:
@@ -135,16 +148,28 @@ class ShardedRun:
         Returns what :func:`diffckpt.load_state` returns, for this rank's pieces.
         """
         store = self.stream(rank)
+        where = f"rank {rank} ({rank_prefix(rank)})"
         problems = []
-        for plan in store.candidates(upto, gen=res.gen):
-            try:
-                info, tree = store.load_base(plan.base)
-            except (CorruptRecordError, CheckpointNotFoundError) as exc:
-                problems.append(str(exc))
-                continue
-            return replay_plan(store, dataclasses.replace(plan, latest=not exact), device=device, verify=verify,
-                               allow_modules=allow_modules, loaded=(info, tree))
-        raise CorruptRecordError(f"rank {rank}: no usable base for step {upto} of session g{res.gen}: "
+        # Warnings and errors name the rank: every stream's objects have the same names.
+        caught: list[warnings.WarningMessage] = []
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for plan in store.candidates(upto, gen=res.gen):
+                    try:
+                        info, tree = store.load_base(plan.base)
+                    except (CorruptRecordError, CheckpointNotFoundError) as exc:
+                        problems.append(str(exc))
+                        continue
+                    return replay_plan(store, dataclasses.replace(plan, latest=not exact), device=device,
+                                       verify=verify, allow_modules=allow_modules, loaded=(info, tree))
+        except DiffCkptError as exc:
+            raise type(exc)(f"{where}: {exc}") from None
+        finally:  # outside the recording block: what is warned here reaches the caller
+            for w in caught:
+                text = str(w.message).removeprefix("diffckpt: ")
+                warnings.warn(f"diffckpt: {where}: {text}", w.category, stacklevel=3)
+        raise CorruptRecordError(f"{where}: no usable base for step {upto} of session g{res.gen}: "
                                  f"{'; '.join(problems)}. Restore an earlier step (see `diffckpt ls`)")
 
     def replay_all(self, res: Resolution, exact: bool, **kw: Any) -> list[dict[str, Any]]:

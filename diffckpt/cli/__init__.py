@@ -7,6 +7,9 @@
   (:mod:`.gc`, :mod:`.compact`).
 - ``diffckpt tune URL --params N --step-time T``: probe storage, recommend settings (:mod:`.tune`).
 
+On a sharded run root (FSDP2) ``ls``, ``verify``, ``export``, ``gc`` and ``compact`` cover every
+rank's stream under ``ranks/r<rank>/`` and the steps durable on every rank (:mod:`.sharded`).
+
 This module holds the entry point (:func:`main`), the top-level parser and the mapping of errors
 to exit codes: 0 success, 1 damage or a failed operation, 2 usage errors and runs or steps that do
 not exist. What the commands share is in :mod:`.common`.

@@ -97,7 +97,7 @@ def _compact_ranks(sh: Sharded, res: Resolution, args: argparse.Namespace) -> in
         print(f"step {res.step} of g{res.gen} already has a base on every rank (ranks/r*/{path}); nothing to do")
         return 0
     print(f"compacted step {res.step} of g{res.gen} on {len(written)} of {res.world_size} ranks "
-          f"(the step durable on every rank): wrote ranks/r*/{path} ({format_bytes(sum(x.bytes for x in written))})")
+          f"(durable on every rank): wrote ranks/r*/{path} ({format_bytes(sum(x.bytes for x in written))})")
     print("\n".join(table(["rank", "from base", "replayed", "size", "verified", "path"], [
         [str(r), str(x.from_base) if x.written else "-", str(x.replayed) if x.written else "-",
          format_bytes(x.bytes) if x.written else "-", _verified(x), f"{sh.streams[r].prefix}{path}"]

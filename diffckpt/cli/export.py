@@ -10,9 +10,10 @@ import json
 import warnings
 
 from ..export import FORMATS, output_target, write_checkpoint
+from ..loading import load_state
 from ..units import format_bytes
 from .common import open_run, progress, reemit, throughput
-from .sharded import load_named, open_sharded
+from .sharded import open_sharded
 
 __all__ = ["add_arguments", "run"]
 
@@ -34,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     progress(f"replaying step {'newest' if step is None else step}")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = load_named(store.storage, step, device=args.device, verify=not args.no_verify,
+        result = load_state(store.storage, step, device=args.device, verify=not args.no_verify,
                             allow_modules=tuple(args.allow_module))
         done = write_checkpoint(result, output, format=fmt)
     progress()

@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any
 
-from ..errors import DiffCkptError
 from ..lifecycle.retention import GcPlan, RetentionPolicy, apply_gc, plan_gc, recorded_policy
 from ..units import format_bytes, parse_duration, parse_positive
 from .common import bar, open_run, progress, table
-from .sharded import gc_losses, open_sharded
 
 __all__ = ["add_arguments", "run"]
 
@@ -80,17 +77,9 @@ def _render_gc(plan: GcPlan, policy: RetentionPolicy, source: str, applied: bool
 
 def run(args: argparse.Namespace) -> int:
     """Plan what the policy no longer keeps; delete it with ``--apply``."""
-    store, inv, _ = open_run(args)
+    store, _, _ = open_run(args)
     policy, source = _policy(args, store)
     plan = plan_gc(store, policy)
-    sharded = open_sharded(store, inv) if plan.streams else None
-    lost = gc_losses(sharded, plan.streams) if sharded is not None else []
-    for line in lost:
-        print(f"{'error' if args.apply else 'warning'}: the plan is unsafe: {line}", file=sys.stderr)
-    if args.apply and lost:
-        raise DiffCkptError("gc deleted nothing: its plan would leave the newest step durable on every rank "
-                            "unrestorable (see above), which retention must never do; keep more meanwhile "
-                            "(e.g. a larger --keep-last-bases)")
     if args.apply and plan.objects:
         apply_gc(store, plan, lambda i, n, path: bar(i, n, "deleting", path))
         plan.applied = True

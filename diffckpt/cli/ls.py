@@ -117,12 +117,15 @@ def render(d: dict[str, Any]) -> str:
     accelerate = any(str(s["framework"] or "").startswith("accelerate") for s in d["sessions"][-1:])
     how = (f'DiffCheckpointer(accelerator, "{url}").restore("last")' if accelerate else
            f'ckpt_path="{url}" (or "last" with DiffCheckpoint)')
-    streams = render_streams(d) if "ranks" in d else None
-    everywhere = f', {newest["world_size"]} ranks' if newest is not None and "world_size" in newest else None
-    nothing = "no step durable on every rank (see ranks)" if streams else "no durable step yet (no committed base)"
-    lines = [f"run {url}", nothing if newest is None else
-             f'newest step durable on every rank {newest["step"]} (g{newest["gen"]}{everywhere}): {how}'
-             if everywhere else f'newest durable step {newest["step"]} (g{newest["gen"]}): {how}', "", "sessions"]
+    streams = render_streams(d) if "ranks" in d else None  # a sharded run root: its rank streams
+    if newest is None:
+        head = "no step durable on every rank (see ranks)" if streams else "no durable step yet (no committed base)"
+    elif "world_size" in newest:
+        head = (f'newest step durable on every rank {newest["step"]} (g{newest["gen"]}, {newest["world_size"]} '
+                f"ranks): {how}")
+    else:
+        head = f'newest durable step {newest["step"]} (g{newest["gen"]}): {how}'
+    lines = [f"run {url}", head, "", "sessions"]
     lines += table(["gen", "started", "resumed_from", "durable", "newest", "ckpt_path"], [
         [f"g{s['gen']}", "damaged" if s["damaged"] else when(s["started"]), str(s["resumed_from"]),
          (", ".join(f"{lo}..{hi}" for lo, hi in s["durable"]) or "-") + _every(s["options"]),

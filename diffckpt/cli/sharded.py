@@ -3,29 +3,27 @@ sessions, the stream each rank wrote under ``ranks/r<rank>/`` (an ordinary run e
 bases and segments) and the steps durable on every rank.
 
 ``ls`` describes the streams here (:func:`describe_streams`, :func:`render_streams`); ``verify``
-and ``compact`` run their plain-run work on each stream; ``export`` needs nothing more than
-:func:`diffckpt.load_state`; ``gc`` plans the streams in :func:`diffckpt.lifecycle.retention.plan_gc`.
+and ``compact`` run their plain-run work on each stream; ``verify`` and ``export`` rebuild a step
+as :func:`diffckpt.load_state` does (which names the rank whose stream is damaged);
+``gc`` plans the streams in :func:`diffckpt.lifecycle.retention.plan_gc` and checks here that the
+plan keeps the newest step durable on every rank (:func:`gc_losses`).
 """
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import DiffCkptError
-from ..format import BaseName
 from ..inventory import Inventory
-from ..loading import load_state
 from ..runstore import RunStore
-from ..shardedrun import Resolution, ShardedRun, rank_streams
-from ..sharding import rank_prefix
-from ..storage import Storage
+from ..shardedrun import ShardedRun
+from ..sharding import RANKS_DIR, rank_prefix
 from ..units import format_bytes
 from .common import table
 
-__all__ = ["Sharded", "Stream", "base_everywhere", "describe_streams", "load_named", "open_sharded",
-           "render_streams", "sharded_notes", "spans_text"]
+__all__ = ["Sharded", "Stream", "describe_streams", "open_sharded", "render_streams",
+           "sharded_notes"]
 
 
 @dataclass
@@ -45,11 +43,6 @@ class Sharded:
     run: ShardedRun
     sessions: dict[int, int]  # gen -> world size
     streams: list[Stream]  # by rank: every stream present, and every one a session expects
-
-    @property
-    def world(self) -> int:
-        """The most ranks any sharded session ran on."""
-        return max(self.sessions.values(), default=0)
 
     def invs(self, gen: int) -> list[Inventory]:
         """The inventories of session ``gen``'s ranks, in rank order."""
@@ -107,7 +100,8 @@ def open_sharded(store: RunStore, inv: Inventory) -> Sharded | None:
     """
     run = ShardedRun(store.storage)
     sessions = run.sessions(inv)
-    present = {r for p in rank_streams(store.storage) if (r := _rank_of(p)) is not None}
+    folders = {"/".join(p.split("/", 2)[:2]) for p in inv.sizes if p.startswith(RANKS_DIR + "/") and p.count("/") >= 2}
+    present = {r for p in folders if (r := _rank_of(p)) is not None}
     if not sessions and not present:
         return None
     streams = []
@@ -117,10 +111,6 @@ def open_sharded(store: RunStore, inv: Inventory) -> Sharded | None:
         sub = run.stream(rank)
         streams.append(Stream(rank, prefix, sub, sub.inventory(listing)))
     return Sharded(run, sessions, streams)
-
-
-def spans_text(spans: list[tuple[int, int]]) -> str:
-    return ", ".join(f"{lo}..{hi}" for lo, hi in spans) or "-"
 
 
 # ------------------------------------------------------------------------------------ ls
@@ -241,11 +231,6 @@ def render_streams(d: dict[str, Any]) -> dict[str, list[str]]:
     return {"sessions": notes, "ranks": ranks, "bases": bases, "segments": segments}
 
 
-def base_everywhere(sh: Sharded, gen: int, step: int) -> bool:
-    """Whether every rank of ``gen`` has a committed base at ``step``."""
-    return all(BaseName(step, gen) in inv.bases for inv in sh.invs(gen))
-
-
 def sharded_notes(sh: Sharded) -> list[str]:
     """What ``verify`` says of ranks that are behind, or missing from a session, in each sharded
     session: not damage by itself (ranks write on their own, a kill leaves them at different
@@ -272,54 +257,3 @@ def sharded_notes(sh: Sharded) -> list[str]:
     return notes
 
 
-# ------------------------------------------------------------------------------ replay
-class _RankNamed(ShardedRun):
-    """A :class:`ShardedRun` whose replays name the rank in what they warn of and raise: a rank's
-    stream reports paths relative to its own folder, the same on every rank."""
-
-    def replay_rank(self, res: Resolution, rank: int, upto: int, *, exact: bool, **kw: Any) -> dict[str, Any]:
-        label = f"rank {rank} ({rank_prefix(rank)})"
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                return super().replay_rank(res, rank, upto, exact=exact, **kw)
-        except DiffCkptError as exc:
-            if str(exc).startswith(f"rank {rank}"):
-                raise
-            raise type(exc)(f"{label}: {exc}") from exc
-        finally:
-            for w in caught:
-                text = str(w.message)
-                if text.startswith("diffckpt: ") and not text.startswith(f"diffckpt: rank {rank}"):
-                    text = f"diffckpt: {label}: {text.removeprefix('diffckpt: ')}"
-                warnings.warn(text, w.category, stacklevel=2)
-
-
-def load_named(storage: Storage, step: int | None, **kw: Any) -> dict[str, Any]:
-    """:func:`diffckpt.load_state`, where damage met in a rank's stream names the rank."""
-    full = _RankNamed(storage).load_full(step, **kw)
-    return full if full is not None else load_state(storage, step, **kw)
-
-
-# ----------------------------------------------------------------------------------- gc
-def gc_losses(sh: Sharded, streams: dict[str, Any]) -> list[str]:
-    """What a gc plan's deletions (``GcPlan.streams``) would leave unrestorable of the newest
-    step durable on every rank: one line per rank that could no longer rebuild it (the
-    retention plan must never do that; this is checked before anything is deleted)."""
-    for gen in sorted(sh.sessions, reverse=True):
-        step = sh.newest(gen)
-        if step is None:
-            continue
-        lost = []
-        for st in sh.streams[: sh.sessions[gen]]:
-            sub = streams.get(st.prefix)
-            if sub is None:
-                continue
-            gone_bases, gone_segments = set(sub.bases), set(sub.segments)
-            after = Inventory({}, [b for b in st.inv.bases if b not in gone_bases],
-                              [s for s in st.inv.segments if s not in gone_segments])
-            if not ShardedRun.reaches(gen, step, [after]):
-                lost.append(f"rank {st.rank} ({st.prefix}) could no longer rebuild step {step} of g{gen}, "
-                            "the newest step durable on every rank")
-        return lost
-    return []

@@ -16,11 +16,11 @@ import torch
 from ..errors import CheckpointNotFoundError, DiffCkptError, UnsupportedConfigurationError
 from ..format import BaseName, SegmentName, decode_segment
 from ..inventory import Inventory
-from ..loading import replay_plan
+from ..loading import load_state, replay_plan
 from ..runstore import RestorePlan, RunStore, session_path
 from ..storage import Storage
 from .common import open_run, progress, reemit, table, throughput
-from .sharded import Sharded, Stream, load_named, open_sharded, sharded_notes
+from .sharded import Sharded, Stream, open_sharded, sharded_notes
 
 __all__ = ["add_arguments", "run"]
 
@@ -169,8 +169,8 @@ def _check_objects(store: RunStore, inv: Inventory, bad: Bad, label: str = "") -
 def _target(store: RunStore, inv: Inventory, sh: Sharded | None, step: int | None) -> dict[str, Any]:
     """``{"target", "base_step", "world_size"}`` to replay, or ``{"unresolved": why}``: of the
     sharded session that holds ``step`` (with its world size; the base step is then each rank's
-    own), else of the plain run. Nothing durable on every
-    rank of a sharded root, while some rank holds a base, is damage to report, not a usage error."""
+    own), else of the plain run. Nothing durable on every rank of a sharded root while some rank
+    holds a base is damage to report, not a usage error."""
     if sh is not None and sh.sessions:
         try:
             res = sh.run.resolve(step)
@@ -220,7 +220,7 @@ def _replay(store: RunStore, step: int | None, target: int | None, args: argpars
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            result = load_named(store.storage, step, device=args.device, allow_modules=tuple(args.allow_module))
+            result = load_state(store.storage, step, device=args.device, allow_modules=tuple(args.allow_module))
         for message in reemit(caught):
             bad("replay", message)
         replay.update(step=result["step"], replayed=result["replayed"], replay_s=round(result["result"].replay_s, 4))
@@ -267,6 +267,7 @@ def run(args: argparse.Namespace) -> int:
             report["deep"] = mine
             for key in ("replayed_steps", "bases_compared", "chains", "seconds"):
                 deep[key] += mine[key]
+        deep["seconds"] = round(deep["seconds"], 3)
     for report in streams:
         report.pop("unusable", None)
         report["problems"] = sum(p.get("rank") == report["rank"] for p in problems)
@@ -300,7 +301,8 @@ def run(args: argparse.Namespace) -> int:
               f"({replay['replayed']} steps){on} with the fingerprints recorded in training checked")
         print(throughput(replay["replayed"], replay["replay_s"]))
     if deep is not None:
-        print(f"deep: replayed {deep['replayed_steps']} steps across {deep['chains']} chains; " + (
+        where = f" of {len(streams)} rank streams" if streams else ""
+        print(f"deep: replayed {deep['replayed_steps']} steps across {deep['chains']} chains{where}; " + (
             "every base equals the replay of the one before" if len(problems) == found else
             f"{len(problems) - found} problem(s), listed below"))
     for p in problems:

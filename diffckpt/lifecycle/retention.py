@@ -28,8 +28,9 @@ from ..inventory import Inventory
 from ..runstore import RunStore, session_path
 from ..shardedrun import ShardedRun, rank_streams
 from ..sharding import RANKS_DIR
-from ..storage import InspectableStorage, Storage, open_storage
+from ..storage import Storage, open_storage
 from ..storage.prefixed import substorage
+from .leftovers import Leftover, details_of, hidden, leftovers
 
 __all__ = ["GcPlan", "RetentionPolicy", "apply_gc", "collect_garbage", "plan_gc"]
 
@@ -85,16 +86,6 @@ class Kept:
     step: int
     base: int
     reasons: list[str]
-
-
-@dataclass
-class Leftover:
-    """Something an interrupted write left: a file, or an incomplete upload (``upload_id``)."""
-
-    path: str
-    size: int
-    kind: str
-    upload_id: str | None = None
 
 
 @dataclass
@@ -221,16 +212,16 @@ def plan_gc(store: RunStore, policy: RetentionPolicy, now: float | None = None,
     what a restore of that step needs from it). ``also``: more ``(gen, step, reason)`` to keep.
     """
     now = time.time() if now is None else now
-    details = _details(store)
+    details = details_of(store)
     streams = any(p.startswith(RANKS_PREFIX) for p in details)
     details = {p: v for p, v in details.items() if not p.startswith(RANKS_PREFIX)}
-    inv = store.inventory({p: size for p, (size, _) in details.items() if not _hidden(p)})
+    inv = store.inventory({p: size for p, (size, _) in details.items() if not hidden(p)})
     mtimes = {p: t for p, (_, t) in details.items()}
     plan = GcPlan(url=store.storage.url.rstrip("/"), sizes={p: s for p, (s, _) in details.items()})
     needed: set[str] = set()  # base directories
     reach: dict[BaseName, int] = {}  # kept base -> the furthest kept step restored from it
     by_key: dict[tuple[int, int], Kept] = {}
-    for (gen, step, base_step), reasons in sorted(_targets(inv, policy, mtimes, now).items()):
+    for (gen, step, base_step), reasons in sorted(_targets(inv, policy, mtimes, now, also).items()):
         base = BaseName(base_step, gen)
         needed.add(base.dir)
         reach[base] = max(reach.get(base, step), step)
@@ -265,7 +256,7 @@ def plan_gc(store: RunStore, policy: RetentionPolicy, now: float | None = None,
             plan.bases.append(base)
             plan.base_files[base] = sorted(by_dir.get(base.dir, []), key=lambda p: (p != base.commit_path, p))
     planned = {p for files in plan.base_files.values() for p in files}
-    plan.leftovers = [x for x in _leftovers(store, details, committed, now - policy.min_age_s)
+    plan.leftovers = [x for x in leftovers(store, details, committed, now - policy.min_age_s)
                       if x.path not in planned and not x.path.startswith(RANKS_PREFIX)]
     if streams:
         plan.streams = _plan_streams(store, policy, now)
@@ -313,38 +304,6 @@ def _reachable(inv: Inventory) -> set[SegmentName]:
                 break
             reachable.add(seg)
     return reachable
-
-
-def _hidden(path: str) -> bool:
-    return path.rsplit("/", 1)[-1].startswith(".")
-
-
-def _details(store: RunStore) -> dict[str, tuple[int, float | None]]:
-    """``{path: (size, mtime)}`` including temporary files where the storage can tell; a
-    storage that cannot gives sizes with unknown times (then nothing counts as old)."""
-    if isinstance(store.storage, InspectableStorage):
-        return store.storage.details("", hidden=True)
-    return {p: (size, None) for p, size in store.storage.list("").items()}
-
-
-def _leftovers(store: RunStore, details: dict[str, tuple[int, float | None]], committed: set[str],
-               cutoff: float) -> list[Leftover]:
-    out = []
-    for path, (size, mtime) in sorted(details.items()):
-        if mtime is None or mtime >= cutoff:
-            continue
-        name = path.rsplit("/", 1)[-1]
-        if _hidden(path) and name.endswith(".tmp"):
-            out.append(Leftover(path, size, "temporary file of an interrupted write"))
-        elif path.startswith("bases/") and path.count("/") >= 2 and path.rsplit("/", 1)[0] not in committed:
-            out.append(Leftover(path, size, "file of a base that was never committed"))
-        elif path.startswith("_probe/"):
-            out.append(Leftover(path, size, "storage probe of an interrupted tuner"))
-    if isinstance(store.storage, InspectableStorage):
-        for key, upload_id, started in store.storage.incomplete_uploads():
-            if started is not None and started < cutoff:
-                out.append(Leftover(key, 0, "incomplete multipart upload", upload_id))
-    return out
 
 
 # ------------------------------------------------------------------------------ applying
