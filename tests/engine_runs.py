@@ -21,6 +21,22 @@ from helpers import assert_bitwise_equal
 
 from diffckpt import CheckpointEngine, CheckpointOptions, FsspecStorage, ReplayResult
 from diffckpt.capture import clone_tree
+from diffckpt.rng import get_rng_state
+
+
+class LoopState:
+    """What a plain loop adds to a restorable step (a ``FrameworkState``): the scheduler, and
+    each rank's RNG in the rank's place of a per-rank list."""
+
+    def __init__(self, sched: Any) -> None:
+        self.sched = sched
+
+    def rank_state(self) -> dict[str, Any]:
+        return {"rng": get_rng_state()}
+
+    def state(self, ranks: list[Any]) -> dict[str, Any]:
+        return {"scheduler": self.sched.state_dict(), "ranks": ranks}
+
 
 Maker = Callable[[], tuple[torch.nn.Module, list[torch.optim.Optimizer]]]
 Truth = dict[int, dict[str, Any]]  # step -> {"model", "optimizers", "state"} as they truly were

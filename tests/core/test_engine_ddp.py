@@ -13,11 +13,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from engine_runs import LoopState
 
 from diffckpt.collective import LocalCollective, TorchCollective
 from diffckpt.engine import CheckpointEngine
 from diffckpt.options import CheckpointOptions
-from diffckpt.rng import get_rng_state, set_rng_state
+from diffckpt.rng import set_rng_state
 
 STEPS, STOP = 9, 5
 OPTIONS = CheckpointOptions(write_batch=2, base_every_n_steps=4)
@@ -28,19 +29,6 @@ def make() -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
     m = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Dropout(0.2), torch.nn.Tanh(), torch.nn.Linear(32, 1))
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     return m, opt, torch.optim.lr_scheduler.StepLR(opt, 3, 0.5)
-
-
-class LoopState:
-    """What this loop adds to a restorable step: the scheduler, and each rank's RNG."""
-
-    def __init__(self, sched: Any) -> None:
-        self.sched = sched
-
-    def rank_state(self) -> dict[str, Any]:
-        return {"rng": get_rng_state()}
-
-    def state(self, ranks: list[Any]) -> dict[str, Any]:
-        return {"scheduler": self.sched.state_dict(), "ranks": ranks}
 
 
 def train(ddp: Any, opt: Any, sched: Any, rank: int, first: int, last: int, engine: Any = None) -> None:

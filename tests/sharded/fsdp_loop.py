@@ -32,9 +32,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from engine_runs import LoopState
 
 from diffckpt import CheckpointEngine, CheckpointOptions
-from diffckpt.rng import get_rng_state, set_rng_state
+from diffckpt.rng import set_rng_state
 
 OPTIONS = {"write_batch": 2, "base_every_n_steps": 4, "fingerprint_every_n_steps": 3}
 
@@ -78,19 +79,6 @@ def make(sharded: bool, bf16: bool = False) -> tuple[torch.nn.Module, torch.opti
         fully_shard(m, mesh=mesh, **kw)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
     return m, opt, torch.optim.lr_scheduler.StepLR(opt, 3, 0.7)
-
-
-class LoopState:
-    """What this loop adds to a restorable step: the scheduler, and each rank's RNG."""
-
-    def __init__(self, sched: Any) -> None:
-        self.sched = sched
-
-    def rank_state(self) -> dict[str, Any]:
-        return {"rng": get_rng_state()}
-
-    def state(self, ranks: list[Any]) -> dict[str, Any]:
-        return {"scheduler": self.sched.state_dict(), "ranks": ranks}
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
