@@ -28,6 +28,7 @@ from .options import CheckpointOptions
 from .policies import IntervalPolicy, StepContext
 from .replay import ReplayResult, replay
 from .runstore import RunStore
+from .shardedrun import ShardedRun, load_into_live, modules_of
 from .sharding import local, local_tree
 from .storage import Storage, open_storage
 from .storage.retry import unwrap
@@ -322,7 +323,8 @@ class Recorder:
         For ``None``, damage (a missing or corrupt segment, an unusable base) makes it restore the
         newest step that can still be rebuilt, with a warning; for an explicit step it raises.
         Older bases of the same session stand in for a damaged one (see
-        :meth:`RunStore.open_plan`).
+        :meth:`RunStore.open_plan`). A step of sharded training is rebuilt as full tensors from
+        every rank's stream and cut to what ``module`` holds here (``docs/sharded.md``).
 
         Raises:
             CheckpointNotFoundError: nothing durable under the run root, or ``step`` is not durable.
@@ -332,6 +334,12 @@ class Recorder:
             ReplayMismatchError: replay diverged from the fingerprints recorded in training;
                 ``module`` and ``optimizers`` are then partly replayed and must not be used.
         """
+        full = ShardedRun(self.storage).load_full(step, verify=verify, allow_modules=modules_of(optimizers))
+        if full is not None:  # written by sharded training: full tensors, cut to what is live here
+            load_into_live(module, optimizers, full, pieces=False)
+            result: ReplayResult = full["result"]
+            result.step, result.state = full["step"], full["state"]
+            return result
         start = time.perf_counter()
         plan, info, base = self.store.open_plan(step)
         loaded = time.perf_counter()

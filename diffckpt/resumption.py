@@ -19,19 +19,12 @@ from .coordination import Coordinated
 from .errors import CheckpointNotFoundError, DiffCkptError
 from .loading import load_state
 from .replay import ReplayResult
-from .shardedrun import Resolution, ShardedRun, load_into_live
+from .shardedrun import Resolution, ShardedRun, load_into_live, modules_of
 from .sharding import is_sharded
 
 __all__ = ["Resuming"]
 
 log = logging.getLogger("diffckpt")
-
-
-def _modules_of(optimizers: list[torch.optim.Optimizer]) -> tuple[str, ...]:
-    """The modules of the optimizer classes in use: replay may rebuild those (and torch's)."""
-    return ("torch.", *sorted({type(o).__module__ for o in optimizers}))
-
-
 
 
 class Resuming(Coordinated):
@@ -123,7 +116,7 @@ class Resuming(Coordinated):
         step every listing showed) all go back to the lowest."""
         run, target = ShardedRun(engine.storage), res.step
         mine: dict[str, Any] | None = None
-        allow = _modules_of(optimizers)
+        allow = modules_of(optimizers)
         while True:
             def replay(upto: int = target, kept: dict[str, Any] | None = mine) -> dict[str, Any]:
                 if kept is not None and kept["step"] == upto:  # this rank is there already
@@ -143,7 +136,7 @@ class Resuming(Coordinated):
                       optimizers: list[torch.optim.Optimizer], step: int | None) -> ReplayResult:
         """Another layout: full tensors rebuilt from every stream (in each process), then cut to
         what each parameter here holds. Rank 0 settles the step first, so that all agree."""
-        allow = _modules_of(optimizers)
+        allow = modules_of(optimizers)
         first: dict[str, Any] = {}
 
         def settle() -> int:

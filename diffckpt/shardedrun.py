@@ -38,7 +38,7 @@ from .sharding import RANKS_DIR, assemble, local, piece, rank_prefix, sharded_li
 from .storage import Storage
 from .storage.prefixed import substorage
 
-__all__ = ["Resolution", "ShardedRun", "load_into_live", "rank_streams"]
+__all__ = ["Resolution", "ShardedRun", "load_into_live", "modules_of", "rank_streams"]
 
 log = logging.getLogger("diffckpt")
 
@@ -113,9 +113,9 @@ class ShardedRun:
         Raises:
             CheckpointNotFoundError: nothing is durable on every rank, or ``step`` is not.
         """
+        if not self.storage.list(RANKS_DIR + "/"):
+            return None  # no rank streams: an ordinary run (one listing of an empty prefix)
         top = self.root.inventory()
-        if not any(p.startswith(RANKS_DIR + "/") for p in top.sizes):
-            return None  # no rank streams: an ordinary run (one listing, no session reads)
         plain = {b.gen for b in top.bases}
         seen: dict[int, list[Inventory]] = {}
         spans = []
@@ -288,3 +288,7 @@ def rank_streams(storage: Storage) -> list[str]:
     found = {"/".join(p.split("/", 2)[:2]) + "/" for p in storage.list("ranks/") if p.count("/") >= 2}
     return sorted(found)
 
+
+def modules_of(optimizers: list[torch.optim.Optimizer]) -> tuple[str, ...]:
+    """The modules of the optimizer classes in use: replay may rebuild those (and torch's)."""
+    return ("torch.", *sorted({type(o).__module__ for o in optimizers}))

@@ -31,6 +31,7 @@ from diffckpt.capture import fingerprint
 from diffckpt.errors import (
     CheckpointNotFoundError,
     CorruptRecordError,
+    IncompatibleCheckpointError,
     UnsupportedConfigurationError,
 )
 from diffckpt.format import (
@@ -268,6 +269,24 @@ def test_sharded_golden_run_reassembles_the_full_tensors() -> None:
         assert [p[1] for p in result["parameters"]] == [[2, 3], [2]]
     with pytest.raises(CheckpointNotFoundError, match="not durable on every rank"):
         load_state(str(GOLDEN / "sharded"), 5)
+
+
+def test_sharded_golden_run_restores_into_an_unsharded_module(tmp_path: Path) -> None:
+    """``CheckpointEngine.restore`` (one process, a plain module) rebuilds a sharded run's step."""
+    from diffckpt import CheckpointEngine
+
+    shutil.copytree(GOLDEN / "sharded", tmp_path / "run")
+    module = torch.nn.Linear(3, 2)
+    module.register_buffer("count", torch.tensor(0))
+    module.register_buffer("scale", torch.ones(2))
+    opt = torch.optim.SGD(module.parameters(), **mg._hyper(0.5))
+    result = CheckpointEngine(str(tmp_path / "run")).restore(module, [opt], 4)
+    assert result.step == 4
+    sim = mg.simulate()
+    assert torch.equal(module.weight.detach(), sim[4]["weight"]) and torch.equal(module.bias.detach(), sim[4]["bias"])
+    assert torch.equal(module.scale, mg.buffers_at(4)["scale"])
+    with pytest.raises(IncompatibleCheckpointError, match="'count' is in the checkpoint, not in this model"):
+        CheckpointEngine(str(tmp_path / "run")).restore(torch.nn.Linear(3, 2), [torch.optim.SGD(module.parameters())])
 
 
 def test_sharded_golden_sessions_follow_the_documented_schema() -> None:
