@@ -41,6 +41,7 @@ bench: $(VENV)/.installed-bench
 	$(BIN)/python bench/autotune.py --threads 1 --backend slow --latency 0.05
 	$(BIN)/python bench/restore.py --threads 1  # restore time versus chain length, prefetch on/off
 	$(BIN)/python bench/lifecycle.py --threads 1  # retention and background compaction vs training bases
+	$(BIN)/python bench/sharded.py  # FSDP2 on 2 ranks: diffckpt vs torch.distributed.checkpoint
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -232,3 +232,16 @@ def test_bfloat16_reduction_is_stored_in_16_bits_and_resumes_bitwise(tmp_path):
     clipped = tmp_path / "clipped"
     train(tmp_path / "c", 3, "--bf16", "--micro", "1", "--root", str(clipped))
     assert torch.float32 in _stored_grad_dtypes(clipped, 0)
+
+
+def test_sharded_benchmark_smoke_run(tmp_path):
+    """``bench/sharded.py --quick``: every configuration runs, and every restore (diffckpt and
+    DCP) is bitwise equal to the trained state on every rank."""
+    out = tmp_path / "sharded.md"
+    rc, log = run_script("bench/sharded.py", ["--quick", "--out", str(out)])
+    assert rc == 0, log
+    report = out.read_text()
+    for row in ("| none |", "| diffckpt |", "| dcp-async-1 |", "| dcp-async-10 |", "| dcp-sync-10 |"):
+        assert row in report
+    restores = [line for line in report.splitlines() if line.startswith("| 10 |") or line.startswith("| 20 |")]
+    assert len(restores) == 2 and all(line.endswith("| yes / yes |") for line in restores), restores
