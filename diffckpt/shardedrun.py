@@ -186,7 +186,10 @@ class ShardedRun:
             step = low  # a rank's stream is damaged before the others' end: all go back to its step
 
     def full_state(self, res: Resolution, pieces: list[dict[str, Any]]) -> dict[str, Any]:
-        """Full tensors from every rank's pieces (as :func:`diffckpt.load_state` returns them)."""
+        """Full tensors from every rank's pieces (as :func:`diffckpt.load_state` returns them).
+
+        The pieces are consumed one tensor at a time (each is dropped once its full tensor is
+        built), so memory holds about one copy of the state, plus one tensor, not two."""
         metas = [self.stream(r).session_meta(res.gen) for r in range(res.world_size)]
         tables = [m.get("shards") or {} for m in metas]
         names = [n for n, _ in metas[0]["parameters"]]
@@ -199,8 +202,9 @@ class ShardedRun:
             return assemble([(v, t[name]["offset"]) for v, t in zip(values, tables)], tables[0][name]["shape"])
 
         model = {}
-        for key, value in pieces[0]["model"].items():
-            model[key] = full(key, [p["model"][key] for p in pieces]) if key in tables[0] else value
+        for key in list(pieces[0]["model"]):
+            values = [p["model"].pop(key) for p in pieces]
+            model[key] = full(key, values) if key in tables[0] else values[0]  # buffers are whole
         optimizers = []
         for o, sd in enumerate(pieces[0]["optimizers"]):
             order = [n for group in metas[0]["optimizer_params"][o] for n in group]
@@ -208,14 +212,14 @@ class ShardedRun:
             for i, entries in sd["state"].items():
                 name, shard = order[int(i)], tables[0][order[int(i)]]
                 state[i] = {}
-                for k, v in entries.items():
+                for k, v in list(entries.items()):
                     if isinstance(v, torch.Tensor) and v.dim() > 0:
                         if list(v.shape) != shard["local_shape"]:
                             raise IncompatibleCheckpointError(
                                 f"optimizer {o} keeps {k!r} of {name!r} in a shape other than the parameter's "
                                 f"({list(v.shape)}, piece {shard['local_shape']}); only optimizers whose state "
                                 "is elementwise can be reassembled")
-                        v = full(name, [p["optimizers"][o]["state"][i][k] for p in pieces])
+                        v = full(name, [p["optimizers"][o]["state"][i].pop(k) for p in pieces])
                     state[i][k] = v
             optimizers.append({"state": state, "param_groups": sd["param_groups"]})
         out = dict(pieces[0], model=model, optimizers=optimizers)
