@@ -245,3 +245,22 @@ def test_sharded_benchmark_smoke_run(tmp_path):
         assert row in report
     restores = [line for line in report.splitlines() if line.startswith("| 10 |") or line.startswith("| 20 |")]
     assert len(restores) == 2 and all(line.endswith("| yes / yes |") for line in restores), restores
+
+
+SOAK_TRIALS = int(os.environ.get("DIFFCKPT_SHARDED_SOAK_TRIALS", "12"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trial", range(SOAK_TRIALS))
+def test_soak_kill_at_random_steps_and_resume(reference, tmp_path, trial):
+    """Soak: a run killed at a random step, its resume killed again at a later random step (ranks
+    at different points of their writes each time), then finished: every rank bitwise equal."""
+    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    root = tmp_path / "run"
+    first = rng.randint(2, STEPS - 3)
+    second = rng.randint(first + 1, STEPS - 1)
+    train(tmp_path / "a", STEPS, "--root", str(root), kill_at=first)
+    train(tmp_path / "b", STEPS, "--root", str(root), "--resume", kill_at=second)
+    train(tmp_path / "c", STEPS, "--root", str(root), "--resume")
+    assert_same_pieces(reference, tmp_path / "c")
+    print(f"trial {trial}: killed at steps {first} and {second}")
