@@ -39,7 +39,7 @@ from .errors import DiffCkptError, UnsupportedConfigurationError
 from .options import CheckpointOptions
 from .resumption import Resuming
 from .shardedrun import ShardedRun
-from .sharding import check_elementwise, is_sharded, shard_table
+from .sharding import check_elementwise, is_sharded, refuse_flat_parameters, shard_table
 from .storage import Storage
 from .tuning.model import AUTO, tuning_metrics
 
@@ -129,6 +129,7 @@ class CheckpointEngine(Resuming):
             raise DiffCkptError("begin() called twice; end() the running session first")
         restored = self._restored if self._restored is not None and self._restored[0] == step else None
         self._restored = None
+        refuse_flat_parameters(module)
         sharded = self._sharded = is_sharded(module)
         table = self._check_sharded(module, optimizers, compressor) if sharded else None
         ranks = None if restored is not None else self._rank_states(source)

@@ -20,7 +20,7 @@ from .errors import CheckpointNotFoundError, DiffCkptError
 from .loading import load_state
 from .replay import ReplayResult
 from .shardedrun import Resolution, ShardedRun, load_into_live, modules_of
-from .sharding import is_sharded
+from .sharding import is_sharded, refuse_flat_parameters
 
 __all__ = ["Resuming"]
 
@@ -53,6 +53,7 @@ class Resuming(Coordinated):
             step = None
         elif step is not None and (not isinstance(step, int) or isinstance(step, bool)):
             raise ValueError(f"step must be None, 'last' or a step number, got {step!r}")
+        refuse_flat_parameters(module)
         engine = self
         if dirpath is not None and str(dirpath).rstrip("/") != self.storage.url.rstrip("/"):
             engine = type(self)(dirpath, storage_options=self.storage_options)

@@ -27,6 +27,7 @@ __all__ = [
     "narrowed",
     "piece",
     "rank_prefix",
+    "refuse_flat_parameters",
     "shard_table",
     "sharded_like",
     "slice_of",
@@ -65,6 +66,22 @@ def local_tree(obj: Any) -> Any:
     if isinstance(obj, tuple):
         return tuple(local_tree(v) for v in obj)
     return obj
+
+
+def refuse_flat_parameters(module: torch.nn.Module) -> None:
+    """Refuse FSDP1 (``FullyShardedDataParallel``): each rank holds a different flat shard under
+    plain-tensor parameters, which would look like replicated (DDP) training and be recorded as
+    rank 0's alone."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - every supported torch build has it
+        return
+    if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
+        raise UnsupportedConfigurationError(
+            "the model is wrapped in FullyShardedDataParallel (FSDP1): its flat parameters are sharded "
+            "without saying so (they are not DTensors), so each rank's record would be mistaken for the "
+            "others'. diffckpt records FSDP2: shard with torch.distributed.fsdp.fully_shard instead, or use "
+            "torch.distributed.checkpoint for this run")
 
 
 def is_sharded(module: torch.nn.Module) -> bool:

@@ -264,3 +264,23 @@ def test_soak_kill_at_random_steps_and_resume(reference, tmp_path, trial):
     train(tmp_path / "c", STEPS, "--root", str(root), "--resume")
     assert_same_pieces(reference, tmp_path / "c")
     print(f"trial {trial}: killed at steps {first} and {second}")
+
+
+def test_fsdp1_is_refused_before_anything_is_written(tmp_path):
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from diffckpt import CheckpointEngine, UnsupportedConfigurationError
+
+    # FSDP1 cannot be built on a machine without an accelerator ("FSDP needs a non-CPU accelerator
+    # device"), so the wrapper is made without its own __init__: what is checked is that the engine
+    # recognises it, in a model, before it records or restores anything.
+    wrapper = FullyShardedDataParallel.__new__(FullyShardedDataParallel)
+    torch.nn.Module.__init__(wrapper)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    model.add_module("flat", wrapper)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = CheckpointEngine(tmp_path / "run")
+    for call in (lambda: engine.begin(model, [opt], 0, None), lambda: engine.resume(model, [opt])):
+        with pytest.raises(UnsupportedConfigurationError, match="FullyShardedDataParallel \\(FSDP1\\).*fully_shard"):
+            call()
+    assert not (tmp_path / "run").exists()
