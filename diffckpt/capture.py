@@ -69,17 +69,33 @@ def fingerprint(tensors: Iterable[torch.Tensor]) -> str:
 
 
 def check_replayable(optimizer: torch.optim.Optimizer) -> None:
-    """Refuse optimizers whose step cannot be replayed from recorded gradients."""
+    """Refuse optimizers whose step cannot be replayed from recorded gradients.
+
+    A fused optimizer (``fused=True``, the transformers ``Trainer``'s default AdamW) is replayed
+    exactly: replay runs the same fused kernel on the same gradients. Only a fused step that a
+    ``GradScaler`` drives cannot be, because the gradients it consumes are still scaled; that is
+    refused when it happens (:func:`check_step_arguments`), before the step changes anything.
+    """
     if isinstance(optimizer, torch.optim.LBFGS):
         raise UnsupportedConfigurationError(
             "LBFGS re-evaluates the loss inside step() through a closure, so its steps cannot be "
             "replayed from recorded gradients; use a first-order optimizer (SGD, Adam, AdamW, ...) "
             "or checkpoint this run with full checkpoints")
-    if getattr(optimizer, "_step_supports_amp_scaling", False) or any(
-            g.get("fused") for g in optimizer.param_groups):
+
+
+def check_step_arguments(optimizer: torch.optim.Optimizer, kwargs: dict[str, Any]) -> None:
+    """Refuse a step given a ``GradScaler``'s scale (a fused optimizer under fp16 autocast).
+
+    ``GradScaler.step`` hands such an optimizer its scale as the ``grad_scale``/``found_inf``
+    attributes (or a ``grad_scaler`` argument) and leaves the gradients scaled, so the recorded
+    gradients are not the ones the update used.
+    """
+    if "grad_scaler" in kwargs or any(getattr(optimizer, a, None) is not None for a in ("grad_scale", "found_inf")):
         raise UnsupportedConfigurationError(
-            f"{type(optimizer).__name__}(fused=True) consumes scaled gradients and scaler arguments "
-            "inside step(); diffckpt does not replay fused steps yet. Use foreach=True or the default")
+            f"{type(optimizer).__name__}(fused=True) was stepped by a GradScaler, which leaves the "
+            "gradients scaled and unscales them inside the fused kernel; diffckpt records the "
+            "gradients a step consumed, so it cannot replay this. Use fused=False (foreach, the "
+            "default) with the scaler, or bf16 without a scaler")
 
 
 class StepCapture(Pausable):
@@ -104,6 +120,8 @@ class StepCapture(Pausable):
 
     def _make_pre_hook(self, index: int):
         def pre_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            if not self._paused:
+                check_step_arguments(optimizer, kwargs)
             self._depth[index] += 1
             if self._depth[index] == 1:
                 self._update_start = time.perf_counter()

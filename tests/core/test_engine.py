@@ -17,6 +17,7 @@ from diffckpt import (
     CheckpointNotFoundError,
     CheckpointOptions,
     DiffCkptError,
+    UnsupportedConfigurationError,
     load_state,
 )
 from diffckpt.runstore import RunStore
@@ -145,3 +146,34 @@ def test_optimizer_subclass_calling_super_step(tmp_path: Path) -> None:
     truth, _ = train(root, maker=maker, fingerprint_every_n_steps=None)
     result, m, o = restore(root, 4, maker=maker)
     assert_state(truth, result, m, o)
+
+
+def test_fused_adamw_replays_bitwise(tmp_path: Path) -> None:
+    # The transformers Trainer's default optimizer (adamw_torch_fused): replay runs the same
+    # fused kernel on the recorded gradients.
+    def maker() -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
+        m, _ = make()
+        return m, [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True)]
+
+    root = str(tmp_path / "run")
+    truth, _ = train(root, maker=maker)
+    for step in (3, 7, 13):
+        result, m, o = restore(root, step, maker=maker)
+        assert o[0].param_groups[0]["fused"]
+        assert_state(truth, result, m, o)
+
+
+def test_fused_step_driven_by_a_grad_scaler_is_refused_before_it_applies(tmp_path: Path) -> None:
+    # GradScaler leaves the gradients scaled for a fused optimizer: what would be recorded is not
+    # what the update consumed, so the step is refused in the pre-hook, before it changes anything.
+    m, _ = make()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True)
+    engine = CheckpointEngine(str(tmp_path / "run"), CheckpointOptions(**OPTIONS))
+    engine.start(m, [opt], 0)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(m(torch.randn(4, 8)).pow(2).mean()).backward()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    with pytest.raises(UnsupportedConfigurationError, match=r"fused=True\) was stepped by a GradScaler"):
+        scaler.step(opt)
+    assert_bitwise_equal(before, m.state_dict())
+    engine.close()
