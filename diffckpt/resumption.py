@@ -90,6 +90,21 @@ class Resuming(Coordinated):
             return None
         return self._restore_here(engine, module, optimizers, value, compressor, False)
 
+    def newest_step(self) -> int | None:
+        """The step :meth:`resume` restores when given none, as a listing shows it: the newest
+        durable step (on every rank, for a sharded run), or ``None`` when nothing is durable
+        (every rank calls; rank 0 lists and the others get its answer).
+
+        Damage inside an object is found only when it is read, by :meth:`resume`.
+        """
+        def newest() -> int | None:
+            try:
+                res = ShardedRun(self.storage).resolve(None)
+                return res.step if res is not None else self.store.plan(None).target
+            except CheckpointNotFoundError:
+                return None
+        return self._decided(newest)
+
     # ----------------------------------------------------------- sharded restore
     @staticmethod
     def _locate(engine: Resuming, step: int | None, missing_ok: bool) -> tuple[Any, ...]:

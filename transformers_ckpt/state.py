@@ -1,0 +1,119 @@
+"""What the transformers ``Trainer`` adds to a restorable step, and how a restored step gives it back.
+
+Besides the model and optimizer, which replay rebuilds, a resume needs the LR scheduler, the AMP
+scaler, the ``TrainerState`` (global step, epoch, log history, best metric, stateful callbacks,
+FLOs), and per rank: its RNG where the loop takes it (see ``DiffCheckpointCallback``) and the
+Trainer's running loss window, so that the log after a resume reads as in an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import TYPE_CHECKING, Any
+
+
+from diffckpt.errors import IncompatibleCheckpointError
+from diffckpt.replay import ReplayResult
+from diffckpt.rng import get_rng_state
+
+if TYPE_CHECKING:
+    from .callback import DiffCheckpointCallback
+
+__all__ = ["StepState", "load_trainer_state", "load_window", "trainer_state_json"]
+
+KEY = "transformers"  # the recorded state's key: a step written by this adapter has it
+
+# The Trainer's running loss window and FLO counter (attributes set in _inner_training_loop, not
+# part of TrainerState): restoring them makes the loss logged after a resume equal to the
+# uninterrupted run's. Missing ones (another transformers version) are skipped.
+_WINDOW = ("_total_loss_scalar", "_globalstep_last_logged", "_initial_global_step",
+           "_initial_num_input_tokens_seen", "current_flos")
+
+
+def trainer_state_json(trainer: Any) -> str:
+    """The ``TrainerState`` as ``trainer_state.json`` holds it, with the stateful callbacks
+    (early stopping, the control flags) refreshed as the Trainer's own save refreshes them."""
+    from transformers.trainer_callback import ExportableState
+
+    state = trainer.state
+    stateful = dict(state.stateful_callbacks)
+    for cb in [*trainer.callback_handler.callbacks, trainer.control]:
+        if isinstance(cb, ExportableState):
+            name = type(cb).__name__
+            if isinstance(stateful.get(name), list):
+                stateful[name] = [*stateful[name], cb.state()]
+            else:
+                stateful[name] = cb.state()
+    return json.dumps(dict(dataclasses.asdict(state), stateful_callbacks=stateful), sort_keys=True)
+
+
+class StepState:
+    """The engine's view of the Trainer's state at a step (see ``diffckpt.engine.FrameworkState``)."""
+
+    def __init__(self, owner: DiffCheckpointCallback, point: str) -> None:
+        self.owner = owner
+        self.point = point  # "epoch" or "step": the loop event this rank's RNG is taken at
+
+    def rank_state(self) -> dict[str, Any]:
+        trainer = self.owner.trainer
+        window = {k: getattr(trainer, k) for k in _WINDOW if hasattr(trainer, k)}
+        loss = getattr(trainer, "_tr_loss", None)
+        return {"rng": get_rng_state(), "at": self.point, "epoch_rng": self.owner.epoch_rng,
+                "window": window, "tr_loss": None if loss is None else loss.detach().cpu().clone()}
+
+    def state(self, ranks: list[Any]) -> dict[str, Any]:
+        trainer = self.owner.trainer
+        scaler = trainer.accelerator.scaler
+        return {KEY: {"trainer_state": trainer_state_json(trainer),
+                      "scheduler": trainer.lr_scheduler.state_dict(),
+                      "scaler": None if scaler is None else scaler.state_dict(),
+                      "world_size": trainer.args.world_size},
+                "ranks": ranks}
+
+
+def load_trainer_state(trainer: Any, result: ReplayResult, url: str) -> list[Any]:
+    """Load the scheduler, scaler and ``TrainerState`` of a replayed step; return every rank's part.
+
+    Raises:
+        IncompatibleCheckpointError: the step was not written by transformers_ckpt, or on another
+            number of processes.
+    """
+    from transformers.trainer_callback import TrainerState
+
+    state = result.state
+    ours = state.get(KEY) if isinstance(state, dict) else None
+    if ours is None:
+        raise IncompatibleCheckpointError(
+            f"step {result.step} under {url} was not written by transformers_ckpt (no Trainer state); "
+            "resume it with the integration that wrote it, or point DiffCheckpointCallback at this "
+            "Trainer's own run root")
+    if ours["world_size"] != trainer.args.world_size:
+        # The Trainer's data skip and each rank's shard of every batch depend on the process count.
+        raise IncompatibleCheckpointError(
+            f"step {result.step} under {url} was trained on {ours['world_size']} processes, this run has "
+            f"{trainer.args.world_size}: the Trainer's data position and each rank's RNG cannot be "
+            "carried over exactly. Resume on the same number of processes, or export the step "
+            "(`diffckpt export --format hf-trainer`) to start from its weights and optimizer")
+    trainer.lr_scheduler.load_state_dict(ours["scheduler"])
+    if trainer.accelerator.scaler is not None and ours["scaler"]:
+        trainer.accelerator.scaler.load_state_dict(ours["scaler"])
+    recorded = TrainerState(**json.loads(ours["trainer_state"]))
+    live = trainer.state
+    for f in dataclasses.fields(TrainerState):
+        # The live run's own limits and process roles stay (set by init_training_references).
+        if f.name not in ("max_steps", "num_train_epochs", "is_local_process_zero", "is_world_process_zero",
+                          "is_hyper_param_search", "trial_name", "trial_params"):
+            setattr(live, f.name, getattr(recorded, f.name))
+    return state["ranks"]
+
+
+def load_window(trainer: Any, mine: dict[str, Any]) -> None:
+    """Give the Trainer back this rank's loss window and FLO counter of the restored step."""
+    for k, v in mine["window"].items():
+        if hasattr(trainer, k):
+            setattr(trainer, k, v)
+    if mine["tr_loss"] is not None and hasattr(trainer, "_tr_loss"):
+        trainer._tr_loss = mine["tr_loss"].to(trainer._tr_loss.device)
+
+
