@@ -12,7 +12,6 @@ import dataclasses
 import json
 from typing import TYPE_CHECKING, Any
 
-
 from diffckpt.errors import IncompatibleCheckpointError
 from diffckpt.replay import ReplayResult
 from diffckpt.rng import get_rng_state
