@@ -1,9 +1,11 @@
 """Write a durable step as a plain checkpoint file that loads without diffckpt.
 
 Formats: ``lightning`` (a ``.ckpt`` that ``LightningModule.load_from_checkpoint`` accepts),
-``torch`` (``{"model", "optimizer", "step"}`` for plain PyTorch) and ``safetensors`` (the model's
-tensors only). Each loads with ``torch.load(weights_only=True)`` or
-``safetensors.torch.load_file``, and on a machine without the device the run was replayed on.
+``torch`` (``{"model", "optimizer", "step"}`` for plain PyTorch), ``safetensors`` (the model's
+tensors only) and ``hf-trainer`` (a ``checkpoint-N`` folder that a stock transformers ``Trainer``
+resumes from, for runs recorded by transformers_ckpt; :mod:`diffckpt.hf_trainer`). Each loads
+with ``torch.load(weights_only=True)`` or ``safetensors.torch.load_file``, and on a machine
+without the device the run was replayed on.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import numpy as np
 import safetensors.torch
 import torch
 
+from . import hf_trainer
 from .deprecation import renamed_kwargs
 from .errors import UnsupportedConfigurationError
 from .loading import load_state
@@ -24,7 +27,8 @@ from .storage import FsspecStorage, Storage
 
 __all__ = ["FORMATS", "export_checkpoint", "output_target", "write_checkpoint"]
 
-FORMATS = ("lightning", "torch", "safetensors")
+FORMATS = ("lightning", "torch", "safetensors", "hf-trainer")
+_FOLDER = "hf-trainer"  # the one format written as a folder (never implied by an extension)
 _BY_EXTENSION = {".ckpt": "lightning", ".safetensors": "safetensors"}
 
 
@@ -35,24 +39,29 @@ def export_checkpoint(dirpath: str | os.PathLike[str] | Storage, output: str | o
                       allow_modules: tuple[str, ...] = ("torch.",)) -> dict[str, Any]:
     """Rebuild ``step`` (newest durable if ``None``) of the run at ``dirpath`` and write it to ``output``.
 
-    The file is written whole or not at all (through :meth:`FsspecStorage.write`), so an
-    interrupted export never leaves a truncated checkpoint behind.
+    The file (or folder) is written whole or not at all (through :meth:`FsspecStorage.write`, or
+    renamed into place), so an interrupted export never leaves a truncated checkpoint behind.
 
     Args:
         dirpath: run root (local path, fsspec URL or :class:`Storage`); ``url=`` is a deprecated
             spelling.
-        output: file to write, a local path or an fsspec URL.
-        format: ``"lightning"``, ``"torch"`` or ``"safetensors"``; by default from ``output``'s
-            extension: ``.ckpt`` lightning, ``.safetensors`` safetensors, anything else torch.
+        output: file to write, a local path or an fsspec URL; for ``"hf-trainer"`` a local
+            folder that does not exist yet (or is empty).
+        format: ``"lightning"``, ``"torch"``, ``"safetensors"`` or ``"hf-trainer"``; by default
+            from ``output``'s extension: ``.ckpt`` lightning, ``.safetensors`` safetensors,
+            anything else torch.
         device, storage_options, verify, allow_modules: as in :func:`load_state`;
             ``storage_options`` apply to the run, not to ``output``.
 
     Returns:
-        ``{"step", "format", "bytes", "base_step", "replayed", "replay_s", "path"}``.
+        ``{"step", "format", "bytes", "base_step", "replayed", "replay_s", "path"}``; for
+        ``"hf-trainer"`` also ``"files"`` (the folder's file names) and ``bytes`` is their total.
 
     Raises:
         CheckpointNotFoundError: ``step`` is not durable (nothing is written).
-        UnsupportedConfigurationError: an unknown ``format``, or ``output`` names a directory.
+        UnsupportedConfigurationError: an unknown ``format``, or ``output`` names a directory;
+            for ``"hf-trainer"``: a URL, an existing non-empty folder, or a step not recorded by
+            transformers_ckpt.
         StorageError: ``output`` cannot be written.
     """
     fmt, output = output_target(output, format)  # usage errors before a replay that may take minutes
@@ -65,10 +74,13 @@ def output_target(output: str | os.PathLike[str], format: str | None = None) -> 
     """``(format, output)`` that :func:`write_checkpoint` would write, checked before any replay.
 
     Raises:
-        UnsupportedConfigurationError: an unknown ``format``, or ``output`` names a directory.
+        UnsupportedConfigurationError: an unknown ``format``, or ``output`` names a directory
+            (for ``"hf-trainer"``: see :func:`diffckpt.hf_trainer.check_output`).
     """
     output = os.fspath(output)
     fmt = _format_for(output, format)
+    if fmt == _FOLDER:
+        return fmt, hf_trainer.check_output(output)
     _split_output(output)
     return fmt, output
 
@@ -82,6 +94,11 @@ def write_checkpoint(result: dict[str, Any], output: str | os.PathLike[str], *,
         as :func:`export_checkpoint`.
     """
     fmt, output = output_target(output, format)
+    if fmt == _FOLDER:
+        folder = hf_trainer.write_folder(result, output)
+        return {"step": result["step"], "format": fmt, "bytes": folder["bytes"], "base_step": result["base_step"],
+                "replayed": result["replayed"], "replay_s": round(result["result"].replay_s, 4),
+                "path": folder["path"], "files": folder["files"]}
     directory, name = _split_output(output)
     data = _serialize(result, fmt)
     FsspecStorage(directory).write(name, data)

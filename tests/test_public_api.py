@@ -36,6 +36,13 @@ def test_accelerate_public_api():
     assert all(hasattr(accelerate_ckpt, name) for name in accelerate_ckpt.__all__)
 
 
+def test_transformers_public_api():
+    import transformers_ckpt
+
+    assert sorted(transformers_ckpt.__all__) == ["DiffCheckpointCallback"]
+    assert all(hasattr(transformers_ckpt, name) for name in transformers_ckpt.__all__)
+
+
 def test_error_tree_inherits_builtins():
     assert issubclass(diffckpt.CorruptRecordError, ValueError)
     assert issubclass(diffckpt.CheckpointNotFoundError, FileNotFoundError)
@@ -53,6 +60,6 @@ def test_core_imports_no_framework():
     import sys
 
     code = ("import sys, diffckpt, diffckpt.cli; "
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning', 'accelerate')]; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning', 'accelerate', 'transformers')]; "
             "print(bad); sys.exit(1 if bad else 0)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0

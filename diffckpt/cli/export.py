@@ -1,5 +1,6 @@
 """``diffckpt export URL --step N -o FILE``: a step of a run as a plain checkpoint file
-(Lightning, torch or safetensors; :mod:`diffckpt.export` does the work). A sharded run is
+(Lightning, torch or safetensors), or as a folder a transformers ``Trainer`` resumes from
+(``--format hf-trainer``; :mod:`diffckpt.export` does the work). A sharded run is
 rebuilt from every rank's stream and written as full tensors, as :func:`diffckpt.load_state`
 returns them; damage met in a rank's stream names the rank."""
 
@@ -20,9 +21,11 @@ __all__ = ["add_arguments", "run"]
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``export`` command's own arguments (the step and the device come with replaying ones)."""
-    p.add_argument("-o", "--output", required=True, metavar="FILE", help="file or URL to write")
+    p.add_argument("-o", "--output", required=True, metavar="FILE",
+                   help="file or URL to write (hf-trainer: a new local folder, e.g. out/checkpoint-1200)")
     p.add_argument("--format", choices=FORMATS,
-                   help="default from FILE: .ckpt lightning, .safetensors safetensors, else torch")
+                   help="default from FILE: .ckpt lightning, .safetensors safetensors, else torch; "
+                        "hf-trainer: a checkpoint-N folder for Trainer.train(resume_from_checkpoint=...)")
     p.add_argument("--no-verify", action="store_true", help="skip the fingerprint checks")
 
 
@@ -46,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(done, indent=2))
         return 0
     ranks = f", full tensors from {res.world_size} rank streams" if res is not None else ""
-    print(f"wrote {args.output}: step {done['step']} ({done['format']}, {format_bytes(done['bytes'])}, "
+    files = f"{len(done['files'])} files, " if "files" in done else ""  # a folder (hf-trainer)
+    print(f"wrote {args.output}: step {done['step']} ({done['format']}, {files}{format_bytes(done['bytes'])}, "
           f"{done['bytes']} B; base {done['base_step']} + {done['replayed']} replayed steps{ranks})")
     print(throughput(done["replayed"], done["replay_s"]))
     return 0

@@ -1,0 +1,131 @@
+"""``DiffCheckpointCallback`` refusals and bad input, with real ``Trainer`` objects in this process:
+each gets a clear error naming the problem and the fix, and the run root is left as it was."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+from diffckpt import (
+    CheckpointOptions,
+    CorruptRecordError,
+    IncompatibleCheckpointError,
+    RetryPolicy,
+    StorageUnavailableError,
+    UnsupportedConfigurationError,
+)
+from transformers_ckpt import DiffCheckpointCallback
+from transformers_ckpt.support import check_supported
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+class Rows(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        x = torch.arange(16) * (i + 1) % 64
+        return {"input_ids": x, "labels": x}
+
+
+def trainer(tmp_path: Path, root: str, width: int = 32, **args) -> tuple[Trainer, DiffCheckpointCallback]:
+    torch.manual_seed(0)
+    storage_options = args.pop("so", None)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=width, n_head=2, vocab_size=64, n_positions=16))
+    kw = {"output_dir": str(tmp_path / "out"), "use_cpu": True, "per_device_train_batch_size": 4,
+          "max_steps": 6, "report_to": "none", "disable_tqdm": True, "save_strategy": "no", **args}
+    cb = DiffCheckpointCallback(root, write_batch=1, base_every_n_steps=4, storage_options=storage_options,
+                                options=CheckpointOptions(retry=RetryPolicy(budget_s=0.3, initial_backoff_s=0.01,
+                                                                            max_backoff_s=0.05)))
+    return Trainer(model=model, args=TrainingArguments(**kw), train_dataset=Rows(), callbacks=[cb]), cb
+
+
+def listing(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A finished run of 6 steps (bases at 0 and 4, one record per segment)."""
+    d = tmp_path_factory.mktemp("trained")
+    t, cb = trainer(d, str(d / "run"))
+    t.train()
+    assert cb.durable_step == 6
+    return d / "run"
+
+
+def test_another_models_run_is_refused_and_left_as_it_was(trained, tmp_path):
+    before = listing(trained)
+    t, _ = trainer(tmp_path, str(trained), width=16)
+    with pytest.raises(IncompatibleCheckpointError, match="written for a different model"):
+        t.train(resume_from_checkpoint=True)
+    assert listing(trained) == before
+
+
+def test_a_damaged_segment_names_the_step_and_the_fix(trained, tmp_path):
+    import shutil
+    root = tmp_path / "run"
+    shutil.copytree(trained, root)
+    newest = sorted((root / "diffs").iterdir())[-1]
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    before = listing(root)
+    t, cb = trainer(tmp_path, str(root))
+    with pytest.raises(CorruptRecordError, match=r"step 6 of .* cannot be rebuilt .*diffckpt verify.*callback\.checkpoint"):
+        t.train(resume_from_checkpoint=True)
+    assert listing(root) == before  # nothing was changed, or written over the damage
+    # The step before the damaged one resumes as the message says.
+    t, cb = trainer(tmp_path, str(root))
+    t.train(resume_from_checkpoint=cb.checkpoint(5))
+    assert cb.resumed_step == 5 and t.state.global_step == 6
+
+
+def test_an_unreachable_bucket_is_a_clear_error_at_trainer_creation(tmp_path):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    so = {"endpoint_url": f"http://127.0.0.1:{port}", "key": "k", "secret": "s",
+          "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1}}
+    with pytest.raises(StorageUnavailableError, match="storage kept failing"):
+        trainer(tmp_path, "s3://no-such-bucket/runs/exp1", so=so)
+    assert not (tmp_path / "out").exists() or not os.listdir(tmp_path / "out")
+
+
+def test_ignore_data_skip_is_refused_at_trainer_creation(tmp_path):
+    with pytest.raises(UnsupportedConfigurationError, match="ignore_data_skip=True"):
+        trainer(tmp_path, str(tmp_path / "run"), ignore_data_skip=True)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("setting, match", [
+    ({"optim": "lomo"}, "no step to record"),
+    ({"deepspeed": {"zero_optimization": {"stage": 2}}}, "does not support DeepSpeed"),
+    ({"fsdp": "full_shard"}, "does not support FSDP through the Trainer"),
+])
+def test_unsupported_trainer_settings_are_refused(setting, match, tmp_path, monkeypatch):
+    # DeepSpeed and LOMO are not installed here, and the Trainer refuses FSDP on CPU with one
+    # process itself: the check runs on a built Trainer whose arguments say so.
+    t, _ = trainer(tmp_path, str(tmp_path / "run"))
+    for k, v in setting.items():
+        monkeypatch.setattr(t.args, k, v)
+    with pytest.raises(UnsupportedConfigurationError, match=match):
+        check_supported(t, str(tmp_path / "run"))
+
+
+def test_an_fsdp_plugin_the_trainer_dropped_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what TrainingArguments(fsdp=...) sets
+    with pytest.raises(UnsupportedConfigurationError, match="on CPU the Trainer silently trains DDP"):
+        trainer(tmp_path, str(tmp_path / "run"))
+
+
+@pytest.mark.parametrize("where", ["out", "out/checkpoint-7"])
+def test_a_run_root_the_trainer_manages_is_refused(where, tmp_path):
+    with pytest.raises(UnsupportedConfigurationError, match="folder of its own"):
+        trainer(tmp_path, str(tmp_path / where))

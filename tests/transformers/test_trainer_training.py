@@ -1,0 +1,135 @@
+"""``DiffCheckpointCallback`` in real transformers ``Trainer`` runs on CPU: ``kill -9`` mid-run,
+then ``trainer.train(resume_from_checkpoint=True)``, compared bitwise (``torch.equal`` on every
+tensor of model, optimizer, scheduler and RNG, and the log history, on every rank) with an
+uninterrupted Trainer run that never imported diffckpt.
+
+The one-process configuration also holds the two cases where the Trainer's own resume is not
+exact: a sampler that shuffles from the global RNG (``use_seedable_sampler=False``) resumed in a
+later epoch, and an epoch-level evaluation (its loader draws from the RNG) after the epoch's
+last step.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_bitwise_equal, run_script
+
+SCRIPT = "tests/transformers/trainer_script.py"
+SEED = int(os.environ.get("DIFFCKPT_TEST_SEED", "20261124"))
+_port = iter(range(29710, 29760))
+
+# name: (script arguments, processes, optimizer steps in the run)
+CONFIGS = {
+    # accumulation, clipping, warm-up + cosine and dropout are in every run (trainer_script.py)
+    "accum_bf16_unseeded_eval": (["--accum", "2", "--bf16", "--unseeded-sampler", "--eval-epoch"], 1, 9),
+    "ddp": (["--accum", "2", "--rows", "32"], 2, 6),
+    "plain": ([], 1, 18),
+    "bf16": (["--bf16", "--clip", "0.5"], 1, 18),
+    "ddp_unseeded": (["--rows", "32", "--unseeded-sampler", "--eval-epoch"], 2, 12),
+}
+
+
+def torchrun() -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+            "--master_port", str(next(_port))]
+
+
+def run(config: str, out: Path, extra: list[str], **kw) -> str:
+    args, ranks, _ = CONFIGS[config]
+    rc, log = run_script(SCRIPT, [str(out), *args, *extra], prefix=None if ranks == 1 else torchrun(), **kw)
+    if kw.get("kill_at_step") is None:
+        assert rc == 0, log[-3000:]
+    else:
+        assert rc == -9, f"training was not killed: {log[-2000:]}"
+    return log
+
+
+def load(out: Path, ranks: int) -> list[dict]:
+    return [torch.load(out if r == 0 else f"{out}.rank{r}", weights_only=False) for r in range(ranks)]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Final state of every rank of the uninterrupted Trainer run without diffckpt, per configuration."""
+    cache: dict[str, list[dict]] = {}
+
+    def get(config: str) -> list[dict]:
+        if config not in cache:
+            d = tmp_path_factory.mktemp("ref")
+            log = run(config, d / "final.pt", ["--output-dir", str(d / "out")])
+            assert "diffckpt" not in log
+            cache[config] = load(d / "final.pt", CONFIGS[config][1])
+        return cache[config]
+    return get
+
+
+def resumed_from(log: str) -> int:
+    return int(next(line for line in log.splitlines() if line.startswith("RESUMED")).split()[1])
+
+
+def kill_and_resume(config: str, tmp_path: Path, reference, kill_at: int | None = None) -> tuple[int, int]:
+    _, ranks, steps = CONFIGS[config]
+    kill_at = kill_at or random.Random(f"{SEED}-{config}").randrange(3, steps)
+    common = ["--output-dir", str(tmp_path / "out"), "--dirpath", str(tmp_path / "run")]
+    run(config, tmp_path / "killed.pt", [*common, "--sleep", "0.1"], kill_at_step=kill_at)
+    log = run(config, tmp_path / "resumed.pt", [*common, "--resume", "true"])
+    start = resumed_from(log)
+    assert 0 <= start <= kill_at, (start, kill_at)
+    try:
+        for r, (want, got) in enumerate(zip(reference(config), load(tmp_path / "resumed.pt", ranks))):
+            assert_bitwise_equal(want, got, f"rank{r}")
+    except AssertionError as exc:
+        raise AssertionError(f"killed at step {kill_at}, resumed from {start} (seed {SEED}): {exc}") from None
+    # The resume point the run used is gone at the end; the Trainer's output_dir holds no other.
+    assert not [n for n in os.listdir(tmp_path / "out") if n.startswith("checkpoint-")]
+    return kill_at, start
+
+
+@pytest.mark.parametrize("config", ["accum_bf16_unseeded_eval", "ddp"])
+def test_kill9_then_resume_from_checkpoint_true_is_bitwise_identical(config, reference, tmp_path):
+    kill_and_resume(config, tmp_path, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trial", range(4))
+@pytest.mark.parametrize("config", ["plain", "bf16", "accum_bf16_unseeded_eval", "ddp_unseeded"])
+def test_soak_kill9_at_random_steps(config, trial, reference, tmp_path):
+    _, _, steps = CONFIGS[config]
+    kill_and_resume(config, tmp_path, reference, kill_at=random.Random(f"{SEED}-{config}-{trial}").randrange(2, steps))
+
+
+def test_side_by_side_with_the_trainers_own_saves_and_a_chosen_step(reference, tmp_path):
+    """The Trainer's own saves every 5 steps next to diffs every step: after a kill the newer of
+    the two wins; the Trainer's folders are untouched; a chosen step resumes exactly as well."""
+    common = ["--output-dir", str(tmp_path / "out"), "--dirpath", str(tmp_path / "run"), "--save-steps", "5"]
+    run("plain", tmp_path / "killed.pt", [*common, "--sleep", "0.1"], kill_at_step=13)
+    saves = sorted(n for n in os.listdir(tmp_path / "out") if n.startswith("checkpoint-"))
+    assert saves == ["checkpoint-10", "checkpoint-5"], saves
+    log = run("plain", tmp_path / "resumed.pt", [*common, "--resume", "true"])
+    assert resumed_from(log) > 10  # the newest durable step, newer than the Trainer's checkpoint-10
+    want = reference("plain")[0]
+    got = load(tmp_path / "resumed.pt", 1)[0]
+    for key in ("model", "optimizer", "scheduler", "torch_rng", "global_step"):
+        assert_bitwise_equal(want[key], got[key], key)
+    assert {"checkpoint-5", "checkpoint-10", "checkpoint-15"} <= set(os.listdir(tmp_path / "out"))
+    # A chosen step of the same run (its second session reaches the end; step 7 is in the first).
+    log = run("plain", tmp_path / "chosen.pt", [*common, "--resume", "7"])
+    assert resumed_from(log) == 7
+    assert_bitwise_equal(want["model"], load(tmp_path / "chosen.pt", 1)[0]["model"])
+
+
+def test_fresh_run_and_the_start_or_resume_idiom(tmp_path):
+    """``callback.checkpoint()`` is None on a fresh run (train() starts afresh);
+    ``resume_from_checkpoint=True`` with nothing durable stops with the Trainer's own error."""
+    common = ["--output-dir", str(tmp_path / "out"), "--dirpath", str(tmp_path / "run"), "--epochs", "1"]
+    rc, log = run_script(SCRIPT, [str(tmp_path / "a.pt"), *common, "--resume", "true"])
+    assert rc != 0 and "No valid checkpoint found" in log, log[-2000:]
+    assert not (tmp_path / "run").exists() or not os.listdir(tmp_path / "run" / "bases")
+    log = run("plain", tmp_path / "b.pt", [*common, "--resume", "last"])
+    assert "RESUMED" not in log and load(tmp_path / "b.pt", 1)[0]["global_step"] == 6
