@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import os
 import random
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_bitwise_equal, run_script
+from helpers import ROOT, assert_bitwise_equal, run_script, script_env
+
+from diffckpt import load_state
 
 SCRIPT = "tests/transformers/trainer_script.py"
 SEED = int(os.environ.get("DIFFCKPT_TEST_SEED", "20261124"))
@@ -32,6 +36,8 @@ CONFIGS = {
     "plain": ([], 1, 18),
     "bf16": (["--bf16", "--clip", "0.5"], 1, 18),
     "ddp_unseeded": (["--rows", "32", "--unseeded-sampler", "--eval-epoch"], 2, 12),
+    # every_n_steps, write_batch and base_every_n_steps on "auto"
+    "auto": (["--accum", "2", "--epochs", "8", "--every", "auto", "--batch", "auto", "--base-every", "auto"], 1, 24),
 }
 
 
@@ -98,7 +104,7 @@ def test_kill9_then_resume_from_checkpoint_true_is_bitwise_identical(config, ref
 
 @pytest.mark.slow
 @pytest.mark.parametrize("trial", range(4))
-@pytest.mark.parametrize("config", ["plain", "bf16", "accum_bf16_unseeded_eval", "ddp_unseeded"])
+@pytest.mark.parametrize("config", ["plain", "bf16", "accum_bf16_unseeded_eval", "ddp_unseeded", "auto"])
 def test_soak_kill9_at_random_steps(config, trial, reference, tmp_path):
     _, _, steps = CONFIGS[config]
     kill_and_resume(config, tmp_path, reference, kill_at=random.Random(f"{SEED}-{config}-{trial}").randrange(2, steps))
@@ -122,6 +128,32 @@ def test_side_by_side_with_the_trainers_own_saves_and_a_chosen_step(reference, t
     log = run("plain", tmp_path / "chosen.pt", [*common, "--resume", "7"])
     assert resumed_from(log) == 7
     assert_bitwise_equal(want["model"], load(tmp_path / "chosen.pt", 1)[0]["model"])
+
+
+def test_an_exception_in_training_flushes_what_was_recorded(tmp_path):
+    """No on_train_end after an exception: what was recorded is flushed at interpreter exit."""
+    common = ["--output-dir", str(tmp_path / "out"), "--dirpath", str(tmp_path / "run")]
+    rc, log = run_script(SCRIPT, [str(tmp_path / "a.pt"), *common, "--raise-at", "7", "--batch", "4",
+                                  "--base-every", "100"])
+    assert rc == 1 and "user code failed at step 7" in log, log[-2000:]
+    assert "durable up to step 6" in log  # step 7 was never final (its log/eval/save did not run)
+    assert load_state(str(tmp_path / "run"))["step"] == 6
+
+
+def test_sigterm_stops_every_rank_at_a_step_boundary_and_flushes(tmp_path):
+    common = ["--output-dir", str(tmp_path / "out"), "--dirpath", str(tmp_path / "run"), "--sleep", "0.2"]
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, SCRIPT), str(tmp_path / "a.pt"), *common],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=script_env())
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("STEP 5"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    out = proc.stdout.read()
+    assert proc.wait(timeout=120) == 128 + signal.SIGTERM, out[-2000:]
+    assert "stopped by SIGTERM" in out
+    durable = load_state(str(tmp_path / "run"))["step"]
+    assert 5 <= durable <= 6  # the step whose boundary it stopped at
 
 
 def test_fresh_run_and_the_start_or_resume_idiom(tmp_path):

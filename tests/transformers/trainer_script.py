@@ -32,9 +32,14 @@ class Rows(torch.utils.data.Dataset):
 
 
 class Progress(TrainerCallback):
+    def __init__(self, raise_at: int | None = None) -> None:
+        self.raise_at = raise_at
+
     def on_step_end(self, args, state, control, **kw):
         if state.is_world_process_zero:
             print(f"STEP {state.global_step}", flush=True)
+        if state.global_step == self.raise_at:
+            raise RuntimeError(f"user code failed at step {state.global_step}")
 
 
 def main() -> None:
@@ -56,6 +61,7 @@ def main() -> None:
     p.add_argument("--batch", default="2", help="write_batch")
     p.add_argument("--base-every", default="8")
     p.add_argument("--optim", default="adamw_torch_fused")
+    p.add_argument("--raise-at", type=int, help="raise an exception at this step's end")
     p.add_argument("--sleep", type=float, default=0.0, help="seconds per step (to land kills mid-run)")
     a = p.parse_args()
 
@@ -69,7 +75,7 @@ def main() -> None:
         optim=a.optim, disable_tqdm=True, dataloader_num_workers=0,
         eval_strategy="epoch" if a.eval_epoch else "no", per_device_eval_batch_size=4,
         accelerator_config={"use_seedable_sampler": not a.unseeded_sampler}, **save)
-    callbacks: list = [Progress()]
+    callbacks: list = [Progress(a.raise_at)]
     cb = None
     if a.dirpath:
         from transformers_ckpt import DiffCheckpointCallback
