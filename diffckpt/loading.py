@@ -81,8 +81,11 @@ def replay_plan(store: RunStore, plan: RestorePlan, *, device: str = "cpu", veri
     meta = store.session_meta(plan.base.gen)
     model = {k: v.to(device).clone() for k, v in base["model"].items()}
     names = [name for name, _ in meta["parameters"]]
+    aliases = meta.get("aliases") or {}
+    for key, name in aliases.items():  # a tied weight is the parameter itself during replay
+        model[key] = model[name]
     params = {n: model[n] for n in names}
-    buffers = {k: v for k, v in model.items() if k not in params}
+    buffers = {k: v for k, v in model.items() if k not in params and k not in aliases}
     optimizers = []
     for qualname, opt_state, groups_names in zip(meta["optimizers"], base["optimizers"],
                                                  meta["optimizer_params"]):
@@ -95,10 +98,13 @@ def replay_plan(store: RunStore, plan: RestorePlan, *, device: str = "cpu", veri
 
     def load(sd: dict[str, torch.Tensor]) -> None:
         for k, t in model.items():
-            t.copy_(sd[k])
+            if k not in aliases:
+                t.copy_(sd[k])
 
     result: ReplayResult = replay(store, plan, ReplayTarget(params, buffers, load), optimizers,
                                   verify=verify, loaded=(info, base))
+    for key, name in aliases.items():  # a copy: files such as safetensors refuse shared tensors
+        model[key] = model[name].clone()
     return {"step": result.step, "model": model, "optimizers": [o.state_dict() for o in optimizers],
             "state": result.state, "base_step": result.base_step, "replayed": result.replayed,
             "result": result, "optimizer_classes": meta["optimizers"], "optimizer_params": meta["optimizer_params"],

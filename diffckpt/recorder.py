@@ -106,12 +106,17 @@ class Recorder:
         params = dict(module.named_parameters())
         self._buffer_names = [k for k in module.state_dict() if k not in params]
         names = {id(p): n for n, p in params.items()}
+        # State-dict keys that are a parameter under another name (tied weights: an LM head
+        # sharing the embedding matrix): readers without the module rebuild them from it.
+        aliases = {k: names[id(v)] for k, v in module.state_dict(keep_vars=True).items()
+                   if k not in params and id(v) in names}
         body = {"options": dataclasses.asdict(self.options), "host": socket.gethostname(), "pid": os.getpid(),
                 "optimizer_params": [[[names.get(id(p), "") for p in g["params"]] for g in o.param_groups]
                                      for o in optimizers],
                 "resumed_from": step,
                 "optimizers": [f"{type(o).__module__}.{type(o).__qualname__}" for o in optimizers],
                 "parameters": [[k, list(local(p).shape)] for k, p in params.items()],
+                **({"aliases": aliases} if aliases else {}),
                 "codec": None if compressor is None else compressor.codec.config(), **(meta or {})}
         if self.tuning.restore_timing is not None:
             load_s, replay_s = self.tuning.restore_timing

@@ -146,6 +146,8 @@ class DiffCheckpointCallback(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         trainer = self._attach()
+        self._started = self._closed = False  # a later train() call is a session of its own
+        self._resume = self.epoch_rng = None
         optimizer = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
         check_replayable(optimizer)
         self._module, self._optimizers = trainer.model, [optimizer]
@@ -179,8 +181,15 @@ class DiffCheckpointCallback(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._step = state.global_step
 
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # With load_best_model_at_end the Trainer loads the best checkpoint's weights into the
+        # model before on_train_end: the last step is committed here, while the model holds it.
+        if args.load_best_model_at_end and (control.should_training_stop or state.global_step >= state.max_steps):
+            self._point("epoch", control)
+
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.close()
+        best_loaded = args.load_best_model_at_end and state.best_model_checkpoint is not None
+        self.close(record=not best_loaded)
         if args.should_save:
             remove_resume_points(args.output_dir)
             remove_resume_points(os.path.join(args.output_dir, CHOSEN_DIR))
@@ -251,13 +260,15 @@ class DiffCheckpointCallback(TrainerCallback):
             self.engine.commit(self._step, StepState(self, at))
         self.engine.check()
 
-    def close(self, reason: str = "end of training", timeout: float | None = None, at: str = "step") -> int | None:
+    def close(self, reason: str = "end of training", timeout: float | None = None, at: str = "step",
+              record: bool = True) -> int | None:
         """Record the last step as restorable, flush and stop writing; return the durable step.
-        ``on_train_end`` calls it; every process must."""
+        ``on_train_end`` calls it; every process must. ``record=False`` flushes only what is
+        recorded (the model no longer holds the last step's weights)."""
         if self._closed:
             return self.durable_step
         try:
-            if self._started:
+            if self._started and record:
                 self.engine.make_restorable(self._step, StepState(self, at))
         finally:
             self._closed = True

@@ -177,3 +177,33 @@ def test_fused_step_driven_by_a_grad_scaler_is_refused_before_it_applies(tmp_pat
         scaler.step(opt)
     assert_bitwise_equal(before, m.state_dict())
     engine.close()
+
+
+class _Tied(torch.nn.Module):
+    """An embedding and an output layer sharing one weight, as language models tie them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Linear(8, 6, bias=False)
+        self.head = torch.nn.Linear(6, 8, bias=False)
+        self.head.weight = self.emb.weight  # tied: one parameter, two state-dict keys
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.emb(x) @ self.head.weight
+
+
+def test_tied_weights_are_rebuilt_without_the_module(tmp_path: Path) -> None:
+    # load_state (export, the CLI) has no module to tie them: the session lists the alias, and
+    # the second key gets the parameter's replayed value, as a copy (files refuse shared tensors).
+    def maker() -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
+        torch.manual_seed(0)
+        m = _Tied()
+        return m, [torch.optim.AdamW(m.parameters(), lr=1e-2)]
+
+    root = str(tmp_path / "run")
+    truth, _ = train(root, maker=maker)
+    for step in (4, 7, 13):
+        loaded = load_state(root, step)
+        assert torch.equal(loaded["model"]["head.weight"], truth[step]["model"]["emb.weight"])
+        assert loaded["model"]["head.weight"].data_ptr() != loaded["model"]["emb.weight"].data_ptr()
+        assert_bitwise_equal(truth[step]["model"], loaded["model"])

@@ -18,6 +18,7 @@ from diffckpt import (
     RetryPolicy,
     StorageUnavailableError,
     UnsupportedConfigurationError,
+    load_state,
 )
 from transformers_ckpt import DiffCheckpointCallback
 from transformers_ckpt.support import check_supported
@@ -37,13 +38,15 @@ class Rows(torch.utils.data.Dataset):
 def trainer(tmp_path: Path, root: str, width: int = 32, **args) -> tuple[Trainer, DiffCheckpointCallback]:
     torch.manual_seed(0)
     storage_options = args.pop("so", None)
+    evaluate = Rows() if args.get("eval_strategy", "no") != "no" else None
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=width, n_head=2, vocab_size=64, n_positions=16))
     kw = {"output_dir": str(tmp_path / "out"), "use_cpu": True, "per_device_train_batch_size": 4,
           "max_steps": 6, "report_to": "none", "disable_tqdm": True, "save_strategy": "no", **args}
     cb = DiffCheckpointCallback(root, write_batch=1, base_every_n_steps=4, storage_options=storage_options,
                                 options=CheckpointOptions(retry=RetryPolicy(budget_s=0.3, initial_backoff_s=0.01,
                                                                             max_backoff_s=0.05)))
-    return Trainer(model=model, args=TrainingArguments(**kw), train_dataset=Rows(), callbacks=[cb]), cb
+    return Trainer(model=model, args=TrainingArguments(**kw), train_dataset=Rows(), eval_dataset=evaluate,
+                   callbacks=[cb]), cb
 
 
 def listing(root: Path) -> dict[str, bytes]:
@@ -129,3 +132,19 @@ def test_an_fsdp_plugin_the_trainer_dropped_is_refused(tmp_path, monkeypatch):
 def test_a_run_root_the_trainer_manages_is_refused(where, tmp_path):
     with pytest.raises(UnsupportedConfigurationError, match="folder of its own"):
         trainer(tmp_path, str(tmp_path / where))
+
+
+def test_load_best_model_at_end_records_the_last_step_not_the_best_weights(tmp_path):
+    """The Trainer loads the best checkpoint's weights before on_train_end: the last step is
+    recorded before that, and the run ends on the trained weights, as a run without it does."""
+    best = {"eval_strategy": "steps", "eval_steps": 2, "save_strategy": "steps", "save_steps": 2,
+            "load_best_model_at_end": True, "metric_for_best_model": "loss", "greater_is_better": True}
+    t, cb = trainer(tmp_path / "best", str(tmp_path / "run"), **best)
+    t.train()
+    assert t.state.best_model_checkpoint is not None and not t.state.best_model_checkpoint.endswith("-6")
+    ref, _ = trainer(tmp_path / "ref", str(tmp_path / "ref_run"), **dict(best, load_best_model_at_end=False))
+    ref.train()
+    loaded = load_state(str(tmp_path / "run"))
+    assert cb.durable_step == loaded["step"] == 6
+    for name, value in ref.model.state_dict().items():
+        assert torch.equal(loaded["model"][name], value), name
