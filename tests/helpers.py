@@ -92,6 +92,17 @@ def run_script(script: str, args: list[str], kill_at_step: int | None = None, ti
     return rc, "".join(lines)
 
 
+def torchrun(port: int, processes: int = 2) -> list[str]:
+    """The command prefix that launches a script on ``processes`` CPU processes (gloo)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
+            "--master_port", str(port)]
+
+
+def load_ranks(out: Any, ranks: int) -> list[dict[str, Any]]:
+    """What each rank of a training script saved: rank 0 to ``out``, rank r to ``out.rank<r>``."""
+    return [torch.load(out if r == 0 else f"{out}.rank{r}", weights_only=False) for r in range(ranks)]
+
+
 def assert_bitwise_equal(a: Any, b: Any, path: str = "$") -> None:
     """Recursively compare two states; tensors with ``torch.equal`` (dtype and shape included)."""
     if isinstance(a, torch.Tensor):

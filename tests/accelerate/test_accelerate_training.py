@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, assert_bitwise_equal, run_script, script_env
+from helpers import ROOT, assert_bitwise_equal, load_ranks, run_script, script_env, torchrun
 
 from diffckpt.runstore import RunStore
 from diffckpt.storage import open_storage
@@ -25,11 +25,6 @@ from diffckpt.storage import open_storage
 SCRIPT = "tests/accelerate/accel_script.py"
 SEED = int(os.environ.get("DIFFCKPT_TEST_SEED", "20261122"))
 _port = iter(range(29650, 29700))
-
-
-def torchrun() -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-            "--master_port", str(next(_port))]
 
 
 def accelerate_launch() -> list[str]:
@@ -63,17 +58,13 @@ CONFIGS = {
 
 def _run(config: str, out: Path, extra: list[str] = (), **kw) -> str:
     args, ranks, _ = CONFIGS[config]
-    prefix = None if ranks == 1 else accelerate_launch() if config == "ddp_topk" else torchrun()
+    prefix = None if ranks == 1 else accelerate_launch() if config == "ddp_topk" else torchrun(next(_port))
     rc, log = run_script(SCRIPT, [str(out), *args, *extra], prefix=prefix, **kw)
     if kw.get("kill_at_step") is None:
         assert rc == 0, log[-3000:]
     else:
         assert rc == -9, f"training was not killed: {log[-2000:]}"
     return log
-
-
-def _load(out: Path, ranks: int) -> list[dict]:
-    return [torch.load(out if r == 0 else f"{out}.rank{r}", weights_only=False) for r in range(ranks)]
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +77,7 @@ def reference(tmp_path_factory):
             out = tmp_path_factory.mktemp("ref") / "final.pt"
             log = _run(config, out)
             assert "diffckpt" not in log
-            cache[config] = _load(out, CONFIGS[config][1])
+            cache[config] = load_ranks(out, CONFIGS[config][1])
         return cache[config]
     return get
 
@@ -105,7 +96,7 @@ def _kill_and_resume(config: str, tmp_path: Path, reference, kill_at: int | None
     assert 0 <= resumed_from <= kill_at, (resumed_from, kill_at)
     assert "recorded with dense gradients" not in log
     try:
-        for r, (want, got) in enumerate(zip(reference(config), _load(tmp_path / "resumed.pt", ranks))):
+        for r, (want, got) in enumerate(zip(reference(config), load_ranks(tmp_path / "resumed.pt", ranks))):
             assert_bitwise_equal(want, got, f"rank{r}")
     except AssertionError as exc:
         raise AssertionError(f"killed at step {kill_at}, resumed from {resumed_from} (seed {SEED}): {exc}") from None
@@ -147,7 +138,7 @@ def test_fp16_loss_scaling_with_skipped_steps(reference, tmp_path):
     _kill_and_resume("fp16_scaler", tmp_path, reference)
     full = tmp_path / "full"  # an uninterrupted run: every step's record from one base
     _run("fp16_scaler", tmp_path / "full.pt", ["--dirpath", str(full), "--base-every", "100"])
-    assert_bitwise_equal(reference("fp16_scaler")[0], _load(tmp_path / "full.pt", 1)[0])
+    assert_bitwise_equal(reference("fp16_scaler")[0], load_ranks(tmp_path / "full.pt", 1)[0])
     store = RunStore(open_storage(str(full)))
     records = [r for r, _ in store.read_records(store.plan()) if r]
     assert len(records) == CONFIGS["fp16_scaler"][2]
@@ -164,7 +155,7 @@ def test_stateful_loader_resumes_exactly_at_an_epoch_end_and_in_a_later_epoch(re
     _run("stateful", tmp_path / "full.pt", ["--dirpath", str(run)])
     for step in (6, 8):
         _run("stateful", tmp_path / f"from{step}.pt", ["--dirpath", str(run), "--resume", str(step)])
-        assert_bitwise_equal(reference("stateful")[0], _load(tmp_path / f"from{step}.pt", 1)[0], f"from {step}")
+        assert_bitwise_equal(reference("stateful")[0], load_ranks(tmp_path / f"from{step}.pt", 1)[0], f"from {step}")
 
 
 @pytest.mark.parametrize("config", ["topk", "powersgd", "ddp_topk", "ddp_powersgd"])
@@ -189,7 +180,7 @@ def full_run(tmp_path_factory):
 
 
 def test_checkpointing_does_not_perturb_training(full_run, reference):
-    assert_bitwise_equal(reference("accum_clip")[0], _load(full_run / "final.pt", 1)[0])
+    assert_bitwise_equal(reference("accum_clip")[0], load_ranks(full_run / "final.pt", 1)[0])
 
 
 @pytest.mark.parametrize("step", [4, 6, 13])  # mid-epoch, the end of an epoch (6 steps each), mid-epoch
@@ -197,12 +188,12 @@ def test_restore_explicit_step_is_that_step_and_continues_exactly(step, full_run
     log = _run("accum_clip", tmp_path / "at.pt", ["--dirpath", str(full_run / "run"), "--resume", str(step),
                                                    "--epochs", "0"])
     assert _resumed_from(log) == step
-    restored = _load(tmp_path / "at.pt", 1)[0]
+    restored = load_ranks(tmp_path / "at.pt", 1)[0]
     dumped = torch.load(full_run / "dumps" / f"step{step}.pt", weights_only=False)
     for key in ("model", "optimizer", "scheduler", "accelerator_step"):
         assert_bitwise_equal(dumped[key], restored[key], key)
     _run("accum_clip", tmp_path / "end.pt", ["--dirpath", str(full_run / "run"), "--resume", str(step)])
-    assert_bitwise_equal(reference("accum_clip")[0], _load(tmp_path / "end.pt", 1)[0])
+    assert_bitwise_equal(reference("accum_clip")[0], load_ranks(tmp_path / "end.pt", 1)[0])
 
 
 def test_save_state_and_load_state_restore_through_replay(reference, tmp_path):
@@ -218,7 +209,7 @@ def test_save_state_and_load_state_restore_through_replay(reference, tmp_path):
     assert any(b.step == 5 for b in RunStore(open_storage(str(run))).inventory().bases)
     log = _run("accum_clip", tmp_path / "loaded.pt", ["--dirpath", str(run), "--load-state", str(saved)])
     assert _resumed_from(log) == 5
-    assert_bitwise_equal(reference("accum_clip")[0], _load(tmp_path / "loaded.pt", 1)[0])
+    assert_bitwise_equal(reference("accum_clip")[0], load_ranks(tmp_path / "loaded.pt", 1)[0])
 
 
 @pytest.mark.parametrize("config", ["accum_clip", "ddp"])
@@ -227,7 +218,7 @@ def test_sigterm_flushes_every_step_and_exits(config, reference, tmp_path):
     agree on a step, record it, flush, log how far durability got and exit; the resume is exact."""
     run = tmp_path / "run"
     args, ranks, _ = CONFIGS[config]
-    launch = [sys.executable] if ranks == 1 else torchrun()
+    launch = [sys.executable] if ranks == 1 else torchrun(next(_port))
     proc = subprocess.Popen([*launch, os.path.join(ROOT, SCRIPT), str(tmp_path / "x.pt"), *args,
                              "--dirpath", str(run)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=script_env())
@@ -246,7 +237,7 @@ def test_sigterm_flushes_every_step_and_exits(config, reference, tmp_path):
     assert f"stopped by SIGTERM; durable up to step {last} in" in log, log[-2000:]
     log = _run(config, tmp_path / "resumed.pt", ["--dirpath", str(run), "--resume", "last"])
     assert _resumed_from(log) == last
-    for r, (want, got) in enumerate(zip(reference(config), _load(tmp_path / "resumed.pt", ranks))):
+    for r, (want, got) in enumerate(zip(reference(config), load_ranks(tmp_path / "resumed.pt", ranks))):
         assert_bitwise_equal(want, got, f"rank{r}")
 
 
@@ -277,7 +268,7 @@ def test_corrupt_newest_segment_falls_back_to_an_intact_step(tmp_path):
     log = _run("accum_clip", tmp_path / "at.pt", ["--dirpath", str(run), "--resume", "last", "--epochs", "0"])
     step = _resumed_from(log)
     assert 0 < step < 18 and newest.name in log, log[-2000:]
-    restored = _load(tmp_path / "at.pt", 1)[0]
+    restored = load_ranks(tmp_path / "at.pt", 1)[0]
     dumped = torch.load(dumps / f"step{step}.pt", weights_only=False)
     for key in ("model", "optimizer", "scheduler", "accelerator_step"):
         assert_bitwise_equal(dumped[key], restored[key], key)
@@ -293,7 +284,7 @@ def test_untracked_loop_records_after_the_scheduler_steps(tmp_path):
         log = _run("accum_clip", tmp_path / f"at{step}.pt",
                    ["--dirpath", str(run), "--no-track", "--resume", str(step), "--epochs", "0"])
         assert _resumed_from(log) == step
-        restored = _load(tmp_path / f"at{step}.pt", 1)[0]
+        restored = load_ranks(tmp_path / f"at{step}.pt", 1)[0]
         dumped = torch.load(dumps / f"step{step}.pt", weights_only=False)
         for key in ("model", "optimizer", "scheduler", "accelerator_step"):
             assert_bitwise_equal(dumped[key], restored[key], f"step {step} {key}")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_bitwise_equal, run_script
+from helpers import assert_bitwise_equal, load_ranks, run_script
 from test_exactness import SCRIPT, SEED
 
 from diffckpt.runstore import RunStore
@@ -23,10 +23,6 @@ from diffckpt.storage import open_storage
 STEPS = 30  # the "adamw" config: clipping, gradient accumulation 2, validation every 5 batches
 DDP = ["--devices", "2"]
 EXACT = ["topk:0.05", "bf16"]  # stateless: exact end to end from any step
-
-
-def _load(out: Path, ranks: int) -> list[dict]:
-    return [torch.load(out if r == 0 else f"{out}.rank{r}", weights_only=False) for r in range(ranks)]
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +38,7 @@ def reference(tmp_path_factory):
             rc, log = run_script(SCRIPT, ["adamw", str(d / "ref.pt"), "--no-lib", "--codec", codec,
                                           "--dump-steps", str(d / "steps"), *(DDP if ranks > 1 else [])])
             assert rc == 0, log[-3000:]
-            cache[codec, ranks] = _load(d / "ref.pt", ranks), d / "steps"
+            cache[codec, ranks] = load_ranks(d / "ref.pt", ranks), d / "steps"
         return cache[codec, ranks]
 
     return get
@@ -65,7 +61,7 @@ def _kill_and_resume(tmp_path: Path, codec: str, ranks: int, trial: str) -> tupl
     # The first dump is written at on_train_start, at the restored step.
     resumed_from = min(int(p.stem[4:]) for p in (tmp_path / "steps").iterdir())
     assert resumed_from <= kill_at + 1
-    return kill_at, resumed_from, _load(out, ranks), tmp_path / "steps"
+    return kill_at, resumed_from, load_ranks(out, ranks), tmp_path / "steps"
 
 
 def _first_event(run: Path) -> dict:
@@ -116,13 +112,13 @@ def test_powersgd_resume_at_a_base_step_is_exact_to_the_end(ranks, reference, tm
     full = tmp_path / "full"
     rc, log = run_script(SCRIPT, ["adamw", str(tmp_path / "full.pt"), "--dirpath", str(full), "--codec", codec, *par])
     assert rc == 0, log[-3000:]
-    for rank, state in enumerate(_load(tmp_path / "full.pt", ranks)):  # checkpointing changes nothing
+    for rank, state in enumerate(load_ranks(tmp_path / "full.pt", ranks)):  # checkpointing changes nothing
         assert_bitwise_equal(ref[rank], state)
     out = tmp_path / "from_base.pt"
     rc, log = run_script(SCRIPT, ["adamw", str(out), "--dirpath", str(tmp_path / "again"), "--codec", codec,
                                   "--ckpt-path", f"{full}/step=10", *par])
     assert rc == 0, log[-3000:]
-    for rank, state in enumerate(_load(out, ranks)):
+    for rank, state in enumerate(load_ranks(out, ranks)):
         assert_bitwise_equal(ref[rank], state)
 
 

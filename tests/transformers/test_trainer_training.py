@@ -19,8 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from helpers import ROOT, assert_bitwise_equal, run_script, script_env
+from helpers import ROOT, assert_bitwise_equal, load_ranks, run_script, script_env, torchrun
 
 from diffckpt import load_state
 
@@ -41,23 +40,14 @@ CONFIGS = {
 }
 
 
-def torchrun() -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-            "--master_port", str(next(_port))]
-
-
 def run(config: str, out: Path, extra: list[str], **kw) -> str:
     args, ranks, _ = CONFIGS[config]
-    rc, log = run_script(SCRIPT, [str(out), *args, *extra], prefix=None if ranks == 1 else torchrun(), **kw)
+    rc, log = run_script(SCRIPT, [str(out), *args, *extra], prefix=None if ranks == 1 else torchrun(next(_port)), **kw)
     if kw.get("kill_at_step") is None:
         assert rc == 0, log[-3000:]
     else:
         assert rc == -9, f"training was not killed: {log[-2000:]}"
     return log
-
-
-def load(out: Path, ranks: int) -> list[dict]:
-    return [torch.load(out if r == 0 else f"{out}.rank{r}", weights_only=False) for r in range(ranks)]
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +60,7 @@ def reference(tmp_path_factory):
             d = tmp_path_factory.mktemp("ref")
             log = run(config, d / "final.pt", ["--output-dir", str(d / "out")])
             assert "diffckpt" not in log
-            cache[config] = load(d / "final.pt", CONFIGS[config][1])
+            cache[config] = load_ranks(d / "final.pt", CONFIGS[config][1])
         return cache[config]
     return get
 
@@ -88,7 +78,7 @@ def kill_and_resume(config: str, tmp_path: Path, reference, kill_at: int | None 
     start = resumed_from(log)
     assert 0 <= start <= kill_at, (start, kill_at)
     try:
-        for r, (want, got) in enumerate(zip(reference(config), load(tmp_path / "resumed.pt", ranks))):
+        for r, (want, got) in enumerate(zip(reference(config), load_ranks(tmp_path / "resumed.pt", ranks))):
             assert_bitwise_equal(want, got, f"rank{r}")
     except AssertionError as exc:
         raise AssertionError(f"killed at step {kill_at}, resumed from {start} (seed {SEED}): {exc}") from None
@@ -120,14 +110,14 @@ def test_side_by_side_with_the_trainers_own_saves_and_a_chosen_step(reference, t
     log = run("plain", tmp_path / "resumed.pt", [*common, "--resume", "true"])
     assert resumed_from(log) > 10  # the newest durable step, newer than the Trainer's checkpoint-10
     want = reference("plain")[0]
-    got = load(tmp_path / "resumed.pt", 1)[0]
+    got = load_ranks(tmp_path / "resumed.pt", 1)[0]
     for key in ("model", "optimizer", "scheduler", "torch_rng", "global_step"):
         assert_bitwise_equal(want[key], got[key], key)
     assert {"checkpoint-5", "checkpoint-10", "checkpoint-15"} <= set(os.listdir(tmp_path / "out"))
     # A chosen step of the same run (its second session reaches the end; step 7 is in the first).
     log = run("plain", tmp_path / "chosen.pt", [*common, "--resume", "7"])
     assert resumed_from(log) == 7
-    assert_bitwise_equal(want["model"], load(tmp_path / "chosen.pt", 1)[0]["model"])
+    assert_bitwise_equal(want["model"], load_ranks(tmp_path / "chosen.pt", 1)[0]["model"])
 
 
 def test_an_exception_in_training_flushes_what_was_recorded(tmp_path):
@@ -164,4 +154,4 @@ def test_fresh_run_and_the_start_or_resume_idiom(tmp_path):
     assert rc != 0 and "No valid checkpoint found" in log, log[-2000:]
     assert not (tmp_path / "run").exists() or not os.listdir(tmp_path / "run" / "bases")
     log = run("plain", tmp_path / "b.pt", [*common, "--resume", "last"])
-    assert "RESUMED" not in log and load(tmp_path / "b.pt", 1)[0]["global_step"] == 6
+    assert "RESUMED" not in log and load_ranks(tmp_path / "b.pt", 1)[0]["global_step"] == 6
