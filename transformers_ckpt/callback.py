@@ -41,8 +41,13 @@ from diffckpt.options import (
 from diffckpt.preemption import StopSignal
 from diffckpt.rng import get_rng_state, set_rng_state
 
-from .resume_point import read_marker, remove_resume_points, write_resume_point
-from .state import StepState, load_trainer_state, load_window
+from .resume_point import (
+    read_marker,
+    remove_resume_points,
+    set_aside_incomplete_saves,
+    write_resume_point,
+)
+from .state import StepState, load_callback_states, load_trainer_state, load_window
 from .support import check_supported
 
 __all__ = ["DiffCheckpointCallback"]
@@ -137,6 +142,8 @@ class DiffCheckpointCallback(TrainerCallback):
         if args.should_save:
             keep = None if newest is None else write_resume_point(args.output_dir, self.url, newest, args)
             remove_resume_points(args.output_dir, keep=keep)
+            if newest is not None:
+                set_aside_incomplete_saves(args.output_dir, newest)
         if newest is None:
             log.info("diffckpt: nothing durable under %s yet: train() starts afresh; "
                      "train(resume_from_checkpoint=True) would stop with the Trainer's 'No valid "
@@ -155,6 +162,12 @@ class DiffCheckpointCallback(TrainerCallback):
         marker = read_marker(state)
         if marker is not None:
             self._restore(marker)
+        # The resume point has been read on every process (the model's preparation is a
+        # collective): it goes, so that it never counts against the Trainer's save_total_limit.
+        self.engine.collective.barrier()
+        if args.should_save:
+            remove_resume_points(args.output_dir)
+            remove_resume_points(os.path.join(args.output_dir, CHOSEN_DIR))
         # After a resume from one of the Trainer's own saves, the Trainer restores the RNG just
         # before the first step: the session's base is taken there, with that RNG.
         self._begin_at_step = marker is None and state.global_step > 0
@@ -190,9 +203,6 @@ class DiffCheckpointCallback(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         best_loaded = args.load_best_model_at_end and state.best_model_checkpoint is not None
         self.close(record=not best_loaded)
-        if args.should_save:
-            remove_resume_points(args.output_dir)
-            remove_resume_points(os.path.join(args.output_dir, CHOSEN_DIR))
 
     # ------------------------------------------------------------------ internals
     def _attach(self) -> Any:
@@ -231,6 +241,9 @@ class DiffCheckpointCallback(TrainerCallback):
                 "trainer.train(resume_from_checkpoint=callback.checkpoint(STEP))") from exc
         assert result is not None
         ranks = load_trainer_state(self.trainer, result, self.url)
+        if self.trainer.args.restore_callback_states_from_checkpoint:
+            # The Trainer restored callback states from the resume point, which holds none.
+            load_callback_states(self.trainer)
         mine = self.engine.own(ranks)
         load_window(self.trainer, mine)
         self._resume = mine

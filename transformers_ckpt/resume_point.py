@@ -19,15 +19,20 @@ start with ``checkpoint-`` (the Trainer's rotation globs ``checkpoint-*``), then
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
 import tempfile
+import time
 from typing import Any
 
 import safetensors.torch
 
-__all__ = ["MARKER", "is_resume_point", "read_marker", "remove_resume_points", "write_resume_point"]
+log = logging.getLogger("diffckpt")
+
+__all__ = ["MARKER", "is_resume_point", "read_marker", "remove_resume_points", "set_aside_incomplete_saves",
+           "write_resume_point"]
 
 MARKER = "diffckpt.json"
 STATE_KEY = "diffckpt"  # the marker's key in TrainerState.stateful_callbacks (no callback has this name)
@@ -75,6 +80,25 @@ def remove_resume_points(parent: str, keep: str | None = None) -> None:
         path = os.path.join(parent, name)
         if _NAME.match(name) and path != keep and is_resume_point(path):
             shutil.rmtree(path, ignore_errors=True)
+
+
+def set_aside_incomplete_saves(parent: str, newest: int) -> list[str]:
+    """Rename the Trainer's own ``checkpoint-N`` folders newer than ``newest`` that a kill left
+    half-written (the Trainer writes ``trainer_state.json`` last), which its resume would pick
+    and then fail on; return the new names. Nothing is deleted."""
+    moved = []
+    for name in sorted(os.listdir(parent)) if os.path.isdir(parent) else []:
+        path = os.path.join(parent, name)
+        m = _NAME.match(name)
+        if m and int(m.group(1)) > newest and os.path.isdir(path) and not is_resume_point(path) \
+                and not os.path.isfile(os.path.join(path, "trainer_state.json")):
+            target = os.path.join(parent, f"incomplete-{name}-{int(time.time())}")
+            os.rename(path, target)
+            log.warning("diffckpt: %s has no trainer_state.json (the Trainer's save of it was interrupted) "
+                        "and would be picked by resume_from_checkpoint=True; renamed it to %s. The newest "
+                        "durable step of the diffckpt run is %d", path, os.path.basename(target), newest)
+            moved.append(target)
+    return moved
 
 
 def read_marker(state: Any) -> dict[str, Any] | None:

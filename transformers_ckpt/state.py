@@ -19,7 +19,7 @@ from diffckpt.rng import get_rng_state
 if TYPE_CHECKING:
     from .callback import DiffCheckpointCallback
 
-__all__ = ["StepState", "load_trainer_state", "load_window", "trainer_state_json"]
+__all__ = ["StepState", "load_callback_states", "load_trainer_state", "load_window", "trainer_state_json"]
 
 KEY = "transformers"  # the recorded state's key: a step written by this adapter has it
 
@@ -105,6 +105,26 @@ def load_trainer_state(trainer: Any, result: ReplayResult, url: str) -> list[Any
                           "is_hyper_param_search", "trial_name", "trial_params"):
             setattr(live, f.name, getattr(recorded, f.name))
     return state["ranks"]
+
+
+def load_callback_states(trainer: Any) -> None:
+    """Set the restored ``stateful_callbacks`` on the live callbacks, as
+    ``restore_callback_states_from_checkpoint`` asks. The Trainer itself re-creates each callback
+    from its ``args``; the live objects are kept here (this runs inside one of their events) and
+    given the recorded attributes."""
+    from transformers.trainer_callback import ExportableState
+
+    stored = trainer.state.stateful_callbacks
+    seen: dict[str, int] = {}
+    for cb in [*trainer.callback_handler.callbacks, trainer.control]:
+        name = type(cb).__name__
+        if not isinstance(cb, ExportableState) or name not in stored:
+            continue
+        entries = stored[name] if isinstance(stored[name], list) else [stored[name]]
+        index = seen[name] = seen.get(name, -1) + 1
+        if index < len(entries):
+            for k, v in entries[index].get("attributes", {}).items():
+                setattr(cb, k, v)
 
 
 def load_window(trainer: Any, mine: dict[str, Any]) -> None:

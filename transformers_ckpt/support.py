@@ -47,6 +47,11 @@ def check_supported(trainer: Any, url: str) -> None:
             "ignore_data_skip=True makes a resumed run restart the interrupted epoch from its first "
             "batch, which no replay can make exact; leave it False (the default) with "
             "DiffCheckpointCallback")
+    if args.world_size > 1 and url.startswith("memory://"):
+        raise UnsupportedConfigurationError(
+            "memory:// is private to each process, but every process of a multi-process run "
+            "restores by reading the run root; use a local path or object storage shared by all "
+            "processes")
     managed = os.path.realpath(args.output_dir or ".")
     if "://" not in url and (os.path.realpath(url) == managed or
                              os.path.basename(os.path.realpath(url)).startswith("checkpoint-")):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 from diffckpt import (
     CheckpointOptions,
@@ -120,6 +120,41 @@ def test_unsupported_trainer_settings_are_refused(setting, match, tmp_path, monk
         monkeypatch.setattr(t.args, k, v)
     with pytest.raises(UnsupportedConfigurationError, match=match):
         check_supported(t, str(tmp_path / "run"))
+
+
+def test_memory_storage_with_several_processes_is_refused(tmp_path, monkeypatch):
+    t, _ = trainer(tmp_path, "memory://diffckpt-tests/trainer-memory")
+    monkeypatch.setattr(type(t.args), "world_size", property(lambda self: 2))
+    with pytest.raises(UnsupportedConfigurationError, match="memory:// is private to each process"):
+        check_supported(t, "memory://diffckpt-tests/trainer-memory")
+
+
+def test_callback_states_are_restored_when_the_trainer_is_asked_to(tmp_path):
+    """restore_callback_states_from_checkpoint=True: the early-stopping counter of the resumed
+    step is back on the live callback (the Trainer itself would find no states in the resume point)."""
+    from transformers import EarlyStoppingCallback
+
+    def run(resume: object, counter_at_begin: list[int]) -> tuple[Trainer, DiffCheckpointCallback]:
+        early = EarlyStoppingCallback(early_stopping_patience=100, early_stopping_threshold=10.0)
+
+        class Watch(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kw):
+                counter_at_begin.append(early.early_stopping_patience_counter)
+
+        t, cb = trainer(tmp_path, str(tmp_path / "run"), eval_strategy="steps", eval_steps=1, save_strategy="steps",
+                        save_steps=1, save_total_limit=1, load_best_model_at_end=True,
+                        restore_callback_states_from_checkpoint=True)
+        t.add_callback(early)
+        t.add_callback(Watch())
+        t.train(resume_from_checkpoint=resume(cb) if callable(resume) else resume)
+        return t, cb
+
+    first: list[int] = []
+    run(None, first)
+    assert first == [0, 0, 1, 2, 3, 4]  # the first eval sets the best; none improves on it by 10.0
+    second: list[int] = []
+    _, cb = run(lambda cb: cb.checkpoint(3), second)
+    assert cb.resumed_step == 3 and second == first[3:]
 
 
 def test_an_fsdp_plugin_the_trainer_dropped_is_refused(tmp_path, monkeypatch):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -107,8 +108,14 @@ def test_side_by_side_with_the_trainers_own_saves_and_a_chosen_step(reference, t
     run("plain", tmp_path / "killed.pt", [*common, "--sleep", "0.1"], kill_at_step=13)
     saves = sorted(n for n in os.listdir(tmp_path / "out") if n.startswith("checkpoint-"))
     assert saves == ["checkpoint-10", "checkpoint-5"], saves
+    # What a kill during the Trainer's save of step 15 leaves: a folder without trainer_state.json,
+    # which the Trainer's own resume would pick (the largest N) and then fail on.
+    shutil.copytree(tmp_path / "out" / "checkpoint-10", tmp_path / "out" / "checkpoint-15",
+                    ignore=shutil.ignore_patterns("trainer_state.json"))
     log = run("plain", tmp_path / "resumed.pt", [*common, "--resume", "true"])
     assert resumed_from(log) > 10  # the newest durable step, newer than the Trainer's checkpoint-10
+    assert "renamed it to incomplete-checkpoint-15-" in log
+    assert [n for n in os.listdir(tmp_path / "out") if n.startswith("incomplete-checkpoint-15-")]
     want = reference("plain")[0]
     got = load_ranks(tmp_path / "resumed.pt", 1)[0]
     for key in ("model", "optimizer", "scheduler", "torch_rng", "global_step"):
