@@ -86,6 +86,7 @@ class StepClock(TrainerCallback):
 
     def __init__(self, diff: DiffCheckpointCallback | None = None) -> None:
         self.ends: list[float] = []
+        self.cpu: list[float] = []  # process CPU time, all threads (the writers' too)
         self.threads = 0
         self.diff = diff
         self.writer: Any = None
@@ -95,6 +96,7 @@ class StepClock(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs) -> None:
         self.ends.append(time.perf_counter())
+        self.cpu.append(time.process_time())
 
     def on_train_end(self, args, state, control, **kwargs) -> None:
         if self.diff is not None:  # before diffckpt's on_train_end closes it; the stats stay readable
@@ -122,6 +124,21 @@ class DcpAsyncEveryStep(TrainerCallback):
             self.future.result()
 
 
+def time_calls(obj: Any, name: str, calls: list[tuple[float, float]]) -> None:
+    """Shadow ``obj.name`` with a wrapper that appends ``(end, seconds)`` of every call to ``calls``."""
+    method = getattr(obj, name)
+
+    def timed(*a: Any, **kw: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return method(*a, **kw)
+        finally:
+            end = time.perf_counter()
+            calls.append((end, end - start))
+
+    setattr(obj, name, timed)
+
+
 def run_once(config: str, args: argparse.Namespace, steps: int) -> dict[str, Any]:
     workdir = tempfile.mkdtemp(prefix=f"bench-{config}-", dir=args.tmp)
     try:
@@ -147,6 +164,15 @@ def run_once(config: str, args: argparse.Namespace, steps: int) -> dict[str, Any
         trainer = Trainer(model=model, args=targs, train_dataset=Rows(steps * args.batch, args.ctx, SIZE["vocab_size"]),
                           callbacks=callbacks)
         trainer.remove_callback(PrinterCallback)  # the final metrics line, printed with disable_tqdm
+        # The training thread's time in checkpoint calls: diffckpt commits at on_step_begin, the
+        # DCP callback waits and stages at on_step_end, the Trainer saves in _save_checkpoint.
+        calls: list[tuple[float, float]] = []
+        if diff is not None:
+            time_calls(diff, "on_step_begin", calls)
+        elif dcp_cb is not None:
+            time_calls(dcp_cb, "on_step_end", calls)
+        elif config != "none":
+            time_calls(trainer, "_save_checkpoint", calls)
         trainer.train()
         t_done = time.perf_counter()
         ends = clock.ends
@@ -154,6 +180,8 @@ def run_once(config: str, args: argparse.Namespace, steps: int) -> dict[str, Any
         gaps = [b - a for a, b in zip(ends[args.warmup - 1:], ends[args.warmup:])]
         r: dict[str, Any] = {"step": (ends[-1] - ends[args.warmup - 1]) / len(gaps),
                              "median_gap": statistics.median(gaps), "tail": t_done - ends[-1],
+                             "cpu": (clock.cpu[-1] - clock.cpu[args.warmup - 1]) / len(gaps),
+                             "blocked": sum(d for end, d in calls if ends[args.warmup - 1] < end <= ends[-1]) / len(gaps),
                              "threads": clock.threads, "optim": str(targs.optim)}
         if diff is not None:
             r["bytes_step"] = dir_usage(run_root)[0] / steps
@@ -181,12 +209,15 @@ def render(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -
     def med(runs: list[dict[str, Any]], key: str) -> float:
         return statistics.median(r[key] for r in runs)
 
-    base = med(results["none"], "step")
-    lines = ["| variant | median s/step | vs none | median step interval s | tail s | bytes/step |",
-             "|---|---:|---:|---:|---:|---:|"]
+    none = results["none"]
+    base = med(none, "step")
+    lines = ["| variant | median s/step | vs none | vs none, paired | median step interval s | in checkpoint "
+             "calls s/step | CPU s/step | tail s | bytes/step |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for config, runs in results.items():
-        lines.append(f"| {config} | {med(runs, 'step'):.3f} | {med(runs, 'step') / base:.2f}x | "
-                     f"{med(runs, 'median_gap'):.3f} | {med(runs, 'tail'):.2f} | {med(runs, 'bytes_step') / 1e6:.2f} MB |")
+        paired = statistics.median(r["step"] / n["step"] for r, n in zip(runs, none))
+        lines.append(f"| {config} | {med(runs, 'step'):.3f} | {med(runs, 'step') / base:.2f}x | {paired:.2f}x | "
+                     f"{med(runs, 'median_gap'):.3f} | {med(runs, 'blocked'):.3f} | {med(runs, 'cpu'):.3f} | {med(runs, 'tail'):.2f} | "
+                     f"{med(runs, 'bytes_step') / 1e6:.2f} MB |")
     per_save = [med(runs, "per_save") for c, runs in results.items() if c.startswith("trainer-save-")]
     if per_save:
         lines += ["", f"One Trainer checkpoint folder (model safetensors, optimizer, scheduler, RNG, "
@@ -207,7 +238,13 @@ NOTES = (
     "`median s/step`: per run, the mean wall clock between consecutive `on_step_end` events over "
     "the timed steps (so periodic saves count, amortized); the median over rounds. `median step "
     "interval`: the median of those intervals within a run (the typical step: it hides a save "
-    "every 50 steps), median over rounds. `tail`: last `on_step_end` to `train()` returning, not "
+    "every 50 steps), median over rounds. `vs none, paired`: the median over rounds of the run's "
+    "s/step over the same round's `none` (less sensitive to load that drifts between rounds). "
+    "`in checkpoint calls`: the training thread's time in diffckpt's `on_step_begin` (the commit), "
+    "the DCP callback's `on_step_end` (waiting for the previous save, staging, `async_save`) or "
+    "the Trainer's `_save_checkpoint`, over the timed steps, per step. "
+    "`CPU s/step`: the process's CPU time (every thread: training, writer threads) over the same "
+    "window, per step. `tail`: last `on_step_end` to `train()` returning, not "
     "in s/step; the Trainer's variants save at `max_steps` there too. `bytes/step`: diffckpt: the "
     "bytes in the run root / steps; Trainer: one `checkpoint-N` folder / `save_steps`; DCP: the "
     "bytes of all saves / saves."
@@ -253,7 +290,7 @@ def main() -> None:
             r = run_once(config, args, args.steps)
             results[config].append(r)
             print(f"round {rnd + 1}/{args.rounds} {config:18s} {r['step']:.3f} s/step  median interval "
-                  f"{r['median_gap']:.3f} s  tail {r['tail']:.2f} s  {r['bytes_step'] / 1e6:8.2f} MB/step", flush=True)
+                  f"{r['median_gap']:.3f} s  in ckpt {r['blocked']:.3f} s  CPU {r['cpu']:.3f} s/step  tail {r['tail']:.2f} s  {r['bytes_step'] / 1e6:8.2f} MB/step", flush=True)
     first = results["none"][0]
     info = [*header(f"transformers {transformers.__version__}"),
             (f"- model: `GPT2LMHeadModel` from a config ({', '.join(f'{k}={v}' for k, v in SIZE.items())}), "

@@ -62,7 +62,13 @@ class Rows(torch.utils.data.Dataset):
 
 def train(args: argparse.Namespace) -> None:
     import numpy as np
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
 
     print(f"PID {os.getpid()}", flush=True)  # every process: the demo kills them all
 
@@ -115,9 +121,9 @@ def spawn(args: argparse.Namespace, work: str, name: str, run_dir: str | None, l
     launch = [sys.executable] if args.processes == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.processes),
         "--master_port", str(29400 + random.randrange(500))]
-    cmd = launch + [os.path.abspath(__file__), "--child", "--out", os.path.join(work, f"{name}.pt"),
-                    "--output-dir", os.path.join(work, "trainer-ref" if run_dir is None else "trainer"),
-                    "--epochs", str(args.epochs)]
+    cmd = [*launch, os.path.abspath(__file__), "--child", "--out", os.path.join(work, f"{name}.pt"),
+           "--output-dir", os.path.join(work, "trainer-ref" if run_dir is None else "trainer"),
+           "--epochs", str(args.epochs)]
     cmd += (["--run-dir", run_dir] if run_dir else []) + (["--resume"] if resume else [])
     cmd += ["--bf16"] if args.bf16 else []
     root = os.path.dirname(HERE)
