@@ -37,6 +37,7 @@ bench: $(VENV)/.installed-bench
 	$(BIN)/python bench/compressed.py --threads 1  # a core left for the writer, as reported
 	$(BIN)/python bench/convergence.py --threads 1
 	$(BIN)/python bench/accelerate_loop.py --threads 1
+	$(BIN)/python bench/transformers_trainer.py --threads 1  # Trainer: diffckpt vs its own saves and DCP async_save
 	$(BIN)/python bench/autotune.py --threads 1
 	$(BIN)/python bench/autotune.py --threads 1 --backend slow --latency 0.05
 	$(BIN)/python bench/restore.py --threads 1  # restore time versus chain length, prefetch on/off

@@ -182,8 +182,9 @@ def run_once(config: str, args: argparse.Namespace, steps: int) -> dict[str, Any
                              "median_gap": statistics.median(gaps), "tail": t_done - ends[-1],
                              "cpu": (clock.cpu[-1] - clock.cpu[args.warmup - 1]) / len(gaps),
                              "blocked": sum(d for end, d in calls if ends[args.warmup - 1] < end <= ends[-1]) / len(gaps),
-                             "threads": clock.threads, "optim": str(targs.optim)}
+                             "threads": clock.threads, "optim": str(getattr(targs.optim, "value", targs.optim))}
         if diff is not None:
+            assert diff.durable_step == steps, (diff.durable_step, steps)  # every step was recorded
             r["bytes_step"] = dir_usage(run_root)[0] / steps
             s = clock.writer.stats
             r["writer"] = {"records": s.records, "segments": s.segments, "bases": s.bases,
@@ -191,6 +192,7 @@ def run_once(config: str, args: argparse.Namespace, steps: int) -> dict[str, Any
                            "seg_bytes": s.segment_bytes, "base_bytes": s.base_bytes}
         elif config.startswith("trainer-save-"):
             folders = glob.glob(os.path.join(out_dir, "checkpoint-*"))
+            assert len(folders) == steps // save["save_steps"] + bool(steps % save["save_steps"]), folders
             per_save = sum(dir_usage(f)[0] for f in folders) / len(folders)
             r["bytes_step"] = per_save / save["save_steps"]
             r["per_save"] = per_save
@@ -211,7 +213,7 @@ def render(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -
 
     none = results["none"]
     base = med(none, "step")
-    lines = ["| variant | median s/step | vs none | vs none, paired | median step interval s | in checkpoint "
+    lines = ["| variant | median s/step | vs none | vs none, per round | median step interval s | in checkpoint "
              "calls s/step | CPU s/step | tail s | bytes/step |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for config, runs in results.items():
         paired = statistics.median(r["step"] / n["step"] for r, n in zip(runs, none))
@@ -238,7 +240,7 @@ NOTES = (
     "`median s/step`: per run, the mean wall clock between consecutive `on_step_end` events over "
     "the timed steps (so periodic saves count, amortized); the median over rounds. `median step "
     "interval`: the median of those intervals within a run (the typical step: it hides a save "
-    "every 50 steps), median over rounds. `vs none, paired`: the median over rounds of the run's "
+    "every 50 steps), median over rounds. `vs none, per round`: the median over rounds of the run's "
     "s/step over the same round's `none` (less sensitive to load that drifts between rounds). "
     "`in checkpoint calls`: the training thread's time in diffckpt's `on_step_begin` (the commit), "
     "the DCP callback's `on_step_end` (waiting for the previous save, staging, `async_save`) or "
@@ -302,7 +304,10 @@ def main() -> None:
     table = render(results, args)
     print("\n" + "\n".join(table))
     out = report_path(args.out, "transformers", args.quick)
-    write_report(out, ["# Checkpointing a transformers Trainer run", "", *info, "", *table, "", NOTES, ""])
+    again = " ".join(sys.argv[1:])
+    write_report(out, ["# Checkpointing a transformers Trainer run", "", *info, "", *table, "", NOTES, "",
+                       f"Reproduce: `.venv/bin/python bench/transformers_trainer.py{' ' + again if again else ''}` "
+                       "(`make bench` runs it with `--threads 1`).", ""])
     print(f"\nwritten to {out}")
 
 
