@@ -55,12 +55,38 @@ def listing(root: Path) -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
-    """A finished run of 6 steps (bases at 0 and 4, one record per segment)."""
+    """A finished run of 6 steps (bases at 0 and 4, one record per segment); its final weights
+    are kept beside it in ``final.pt``."""
     d = tmp_path_factory.mktemp("trained")
     t, cb = trainer(d, str(d / "run"))
     t.train()
     assert cb.durable_step == 6
+    torch.save(t.model.state_dict(), d / "final.pt")
     return d / "run"
+
+
+def test_fresh_run_and_the_start_or_resume_idiom(tmp_path):
+    """``resume_from_checkpoint=True`` with nothing durable stops with the Trainer's own error
+    before training; ``callback.checkpoint()`` is None on a fresh run, which starts afresh."""
+    t, _ = trainer(tmp_path, str(tmp_path / "run"))
+    with pytest.raises(ValueError, match="No valid checkpoint found"):
+        t.train(resume_from_checkpoint=True)
+    t, cb = trainer(tmp_path, str(tmp_path / "run"))
+    assert cb.checkpoint() is None
+    t.train(resume_from_checkpoint=cb.checkpoint())
+    assert cb.resumed_step is None and cb.durable_step == 6
+
+
+@pytest.mark.parametrize("step", [3, 4])
+def test_a_chosen_step_resumes_exactly(trained, tmp_path, step):
+    import shutil
+    root = tmp_path / "run"
+    shutil.copytree(trained, root)
+    t, cb = trainer(tmp_path, str(root))
+    t.train(resume_from_checkpoint=cb.checkpoint(step))
+    assert cb.resumed_step == step and t.state.global_step == 6
+    for name, value in torch.load(trained.parent / "final.pt").items():
+        assert torch.equal(t.model.state_dict()[name], value), name
 
 
 def test_another_models_run_is_refused_and_left_as_it_was(trained, tmp_path):
