@@ -90,6 +90,7 @@ class DiffCheckpointCallback(TrainerCallback):
         self.durable_step: int | None = None
         self.resumed_step: int | None = None  # the step train() resumed, if it resumed one of ours
         self.epoch_rng: dict[str, Any] | None = None  # this rank's RNG at the current epoch's start
+        self.epoch_generator: Any = None  # and its loader's shuffling generator, if it has one
         self._resume: dict[str, Any] | None = None  # this rank's restored RNG, until its event
         self._step = 0  # the newest optimizer step taken (TrainerState.global_step)
         self._started = self._closed = False
@@ -154,7 +155,7 @@ class DiffCheckpointCallback(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         trainer = self._attach()
         self._started = self._closed = False  # a later train() call is a session of its own
-        self._resume = self.epoch_rng = None
+        self._resume = self.epoch_rng = self.epoch_generator = None
         optimizer = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
         check_replayable(optimizer)
         self._module, self._optimizers = trainer.model, [optimizer]
@@ -175,14 +176,20 @@ class DiffCheckpointCallback(TrainerCallback):
         atexit.register(self._interrupted)
 
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # Under DDP a sampler that is not seedable shuffles from a generator of the loader's own,
+        # which Accelerate sends from rank 0 at each epoch's start: kept and restored here too.
+        generator = getattr(kwargs.get("train_dataloader"), "synchronized_generator", None)
         if self._resume is not None:
             mine = self._resume
+            if mine.get("epoch_generator") is not None and generator is not None:
+                generator.set_state(mine["epoch_generator"])
             if mine["at"] == "epoch":  # the restored step ended an epoch: its RNG goes here
                 set_rng_state(mine["rng"])
                 self._resume = None
             elif mine["epoch_rng"] is not None:  # mid-epoch: the epoch's shuffle first
                 set_rng_state(mine["epoch_rng"])
         self.epoch_rng = get_rng_state()
+        self.epoch_generator = None if generator is None else generator.get_state()
         self._point("epoch", control)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -59,6 +59,7 @@ class StepState:
         window = {k: getattr(trainer, k) for k in _WINDOW if hasattr(trainer, k)}
         loss = getattr(trainer, "_tr_loss", None)
         return {"rng": get_rng_state(), "at": self.point, "epoch_rng": self.owner.epoch_rng,
+                "epoch_generator": self.owner.epoch_generator,
                 "window": window, "tr_loss": None if loss is None else loss.detach().cpu().clone()}
 
     def state(self, ranks: list[Any]) -> dict[str, Any]:

@@ -32,7 +32,7 @@ _port = iter(range(29710, 29760))
 CONFIGS = {
     # accumulation, clipping, warm-up + cosine and dropout are in every run (trainer_script.py)
     "accum_bf16_unseeded_eval": (["--accum", "2", "--bf16", "--unseeded-sampler", "--eval-epoch"], 1, 9),
-    "ddp": (["--accum", "2", "--rows", "32"], 2, 6),
+    "ddp": (["--accum", "2", "--rows", "32", "--unseeded-sampler"], 2, 6),
     "plain": ([], 1, 18),
     "bf16": (["--bf16", "--clip", "0.5"], 1, 18),
     "ddp_unseeded": (["--rows", "32", "--unseeded-sampler", "--eval-epoch"], 2, 12),
