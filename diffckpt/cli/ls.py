@@ -114,9 +114,8 @@ def describe(store: RunStore, inv: Inventory) -> dict[str, Any]:
 
 def render(d: dict[str, Any]) -> str:
     url, newest, t = d["url"], d["newest"], d["totals"]
-    accelerate = any(str(s["framework"] or "").startswith("accelerate") for s in d["sessions"][-1:])
-    how = (f'DiffCheckpointer(accelerator, "{url}").restore("last")' if accelerate else
-           f'ckpt_path="{url}" (or "last" with DiffCheckpoint)')
+    framework = next((str(s["framework"] or "") for s in d["sessions"][-1:]), "")
+    how, any_step = _resume_hints(framework, url)
     streams = render_streams(d) if "ranks" in d else None  # a sharded run root: its rank streams
     if newest is None:
         head = "no step durable on every rank (see ranks)" if streams else "no durable step yet (no committed base)"
@@ -158,9 +157,18 @@ def render(d: dict[str, Any]) -> str:
         diffs += f" over {t['diff_steps']} steps, {avg} per step"
     lines += [f"  diffs       {diffs}",
               f"  other       {format_bytes(t['other_bytes'])} ({t['other_bytes']} B)", "",
-              "resume any durable step N with " + (
-                  "DiffCheckpointer(...).restore(N)" if accelerate else f'ckpt_path="{url}/step=N"')]
+              "resume any durable step N with " + any_step]
     return "\n".join(lines)
+
+
+def _resume_hints(framework: str, url: str) -> tuple[str, str]:
+    """How the integration that wrote the newest session resumes its newest step, and step N."""
+    if framework.startswith("accelerate"):
+        return f'DiffCheckpointer(accelerator, "{url}").restore("last")', "DiffCheckpointer(...).restore(N)"
+    if framework.startswith("transformers"):
+        return ("trainer.train(resume_from_checkpoint=True) with DiffCheckpointCallback",
+                "trainer.train(resume_from_checkpoint=callback.checkpoint(N))")
+    return f'ckpt_path="{url}" (or "last" with DiffCheckpoint)', f'ckpt_path="{url}/step=N"'
 
 
 def run(args: argparse.Namespace) -> int:

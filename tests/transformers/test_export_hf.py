@@ -125,6 +125,14 @@ def test_cli_json(runs: Runs, tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert done["files"] == sorted(os.listdir(out)) and "rng_state.pth" in done["files"]
 
 
+def test_ls_says_how_a_trainer_run_resumes(runs: Runs, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["ls", str(runs["run"])]) == 0
+    out = capsys.readouterr().out
+    assert "newest durable step 12 (g1): trainer.train(resume_from_checkpoint=True)" in out
+    assert out.rstrip().endswith("resume any durable step N with "
+                                 "trainer.train(resume_from_checkpoint=callback.checkpoint(N))")
+
+
 # ------------------------------------------------------------------------------ refusals
 def test_run_not_recorded_by_transformers_ckpt(tmp_path: Path) -> None:
     train(tmp_path / "run", steps=4)  # the core engine, as a plain loop records
