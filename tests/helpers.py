@@ -92,6 +92,17 @@ def run_script(script: str, args: list[str], kill_at_step: int | None = None, ti
     return rc, "".join(lines)
 
 
+def run_training(script: str, args: list[str], prefix: list[str] | None = None, **kw: Any) -> str:
+    """:func:`run_script` that must end as asked: killed (``kill_at_step``) or with status 0;
+    returns the log."""
+    rc, log = run_script(script, args, prefix=prefix, **kw)
+    if kw.get("kill_at_step") is None:
+        assert rc == 0, log[-3000:]
+    else:
+        assert rc == -9, f"training was not killed: {log[-2000:]}"
+    return log
+
+
 def torchrun(port: int, processes: int = 2) -> list[str]:
     """The command prefix that launches a script on ``processes`` CPU processes (gloo)."""
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
