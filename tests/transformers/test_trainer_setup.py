@@ -97,13 +97,17 @@ def test_another_models_run_is_refused_and_left_as_it_was(trained, tmp_path):
     assert listing(trained) == before
 
 
-def test_a_damaged_segment_names_the_step_and_the_fix(trained, tmp_path):
+@pytest.mark.parametrize("damage", ["flipped byte", "truncated"])
+def test_a_damaged_segment_names_the_step_and_the_fix(trained, tmp_path, damage):
     import shutil
     root = tmp_path / "run"
     shutil.copytree(trained, root)
     newest = sorted((root / "diffs").iterdir())[-1]
     data = bytearray(newest.read_bytes())
-    data[len(data) // 2] ^= 0xFF
+    if damage == "truncated":
+        del data[len(data) // 2:]
+    else:
+        data[len(data) // 2] ^= 0xFF
     newest.write_bytes(bytes(data))
     before = listing(root)
     t, cb = trainer(tmp_path, str(root))
@@ -114,6 +118,22 @@ def test_a_damaged_segment_names_the_step_and_the_fix(trained, tmp_path):
     t, cb = trainer(tmp_path, str(root))
     t.train(resume_from_checkpoint=cb.checkpoint(5))
     assert cb.resumed_step == 5 and t.state.global_step == 6
+
+
+def test_a_missing_segment_resumes_the_newest_step_still_durable(trained, tmp_path):
+    """A segment deleted from the run: the steps after it are no longer durable, and
+    resume_from_checkpoint=True resumes the newest one that is, exactly."""
+    import shutil
+    root = tmp_path / "run"
+    shutil.copytree(trained, root)
+    segments = sorted((root / "diffs").iterdir())
+    assert [s.name.split(".")[0] for s in segments][-2:] == ["000000000004-000000000005", "000000000005-000000000006"]
+    segments[-2].unlink()  # step 5's record: the chain from base 4 stops there
+    t, cb = trainer(tmp_path, str(root))
+    t.train(resume_from_checkpoint=True)
+    assert cb.resumed_step == 4 and t.state.global_step == 6
+    for name, value in torch.load(trained.parent / "final.pt").items():
+        assert torch.equal(t.model.state_dict()[name], value), name
 
 
 def test_an_unreachable_bucket_is_a_clear_error_at_trainer_creation(tmp_path):
