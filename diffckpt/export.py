@@ -15,7 +15,6 @@ import io
 import os
 from typing import Any
 
-import numpy as np
 import safetensors.torch
 import torch
 
@@ -24,6 +23,7 @@ from .deprecation import renamed_kwargs
 from .errors import UnsupportedConfigurationError
 from .loading import load_state
 from .storage import FsspecStorage, Storage
+from .tree import portable
 
 __all__ = ["FORMATS", "export_checkpoint", "output_target", "write_checkpoint"]
 
@@ -131,7 +131,7 @@ def _serialize(result: dict[str, Any], fmt: str) -> bytes:
     """The bytes of the file in format ``fmt`` for a :func:`load_state` result."""
     model, step = result["model"], result["step"]
     if fmt == "safetensors":
-        return safetensors.torch.save(_portable(model), metadata={"format": "pt", "diffckpt.step": str(step)})
+        return safetensors.torch.save(portable(model), metadata={"format": "pt", "diffckpt.step": str(step)})
     optimizers = result["optimizers"]
     if fmt == "lightning":
         state = result["state"]
@@ -143,28 +143,8 @@ def _serialize(result: dict[str, Any], fmt: str) -> bytes:
         obj = {"model": model, "optimizer": optimizers[0] if len(optimizers) == 1 else optimizers,
                "step": step}
     buf = io.BytesIO()
-    torch.save(_portable(obj), buf)
+    torch.save(portable(obj), buf)
     return buf.getvalue()
-
-
-def _portable(obj: Any) -> Any:
-    """``obj`` with numpy values as torch tensors and Python scalars, and tensors on the CPU.
-
-    ``torch.load(weights_only=True)`` (what ``LightningModule.load_from_checkpoint`` uses) refuses
-    numpy objects, and the recorded state holds some (DiffCheckpoint's numpy RNG state, for one).
-    CPU tensors load on any machine, whatever device the run was replayed on.
-    """
-    if isinstance(obj, torch.Tensor):
-        return obj.cpu()
-    if isinstance(obj, np.ndarray):
-        return torch.from_numpy(np.ascontiguousarray(obj).copy())
-    if isinstance(obj, np.generic):
-        return obj.item()
-    if isinstance(obj, dict):
-        return {_portable(k): _portable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_portable(v) for v in obj)
-    return obj
 
 
 def _lightning_version() -> str:

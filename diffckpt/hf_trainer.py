@@ -29,10 +29,11 @@ import safetensors.torch
 import torch
 
 from .errors import StorageError, UnsupportedConfigurationError
+from .tree import portable
 
 __all__ = ["check_output", "write_folder"]
 
-KEY = "transformers"  # transformers_ckpt's key in the recorded state
+KEY = "transformers"  # transformers_ckpt records its state under this key
 
 
 def check_output(output: str) -> str:
@@ -107,10 +108,10 @@ def _files(result: dict[str, Any]) -> dict[str, bytes]:
         raise UnsupportedConfigurationError(
             f"step {step} holds {len(optimizers)} optimizers; a Trainer checkpoint holds one")
     files = {"model.safetensors": safetensors.torch.save(_unshared(result["model"]), metadata={"format": "pt"}),
-             "optimizer.pt": _saved(optimizers[0]), "scheduler.pt": _saved(ours["scheduler"]),
+             "optimizer.pt": _saved(portable(optimizers[0])), "scheduler.pt": _saved(portable(ours["scheduler"])),
              "trainer_state.json": _trainer_state(ours["trainer_state"], state["ranks"])}
     if ours["scaler"] is not None:
-        files["scaler.pt"] = _saved(ours["scaler"])
+        files["scaler.pt"] = _saved(portable(ours["scaler"]))
     ranks, world_size = state["ranks"], int(ours["world_size"])
     if world_size == 1:
         files["rng_state.pth"] = _saved(_rng(ranks[0]["rng"], distributed=False))
@@ -169,17 +170,8 @@ def _unshared(model: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _saved(obj: Any) -> bytes:
-    """``torch.save`` of ``obj`` with its tensors on the CPU (the Trainer maps them itself)."""
+    """``torch.save`` of ``obj``, which holds only CPU tensors and the types the Trainer's
+    ``weights_only`` load accepts."""
     buf = io.BytesIO()
-    torch.save(_cpu(obj), buf)
+    torch.save(obj, buf)
     return buf.getvalue()
-
-
-def _cpu(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.cpu()
-    if isinstance(obj, dict):
-        return {k: _cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_cpu(v) for v in obj)
-    return obj

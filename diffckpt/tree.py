@@ -22,7 +22,7 @@ import torch
 
 from .errors import CorruptRecordError, UnsupportedConfigurationError
 
-__all__ = ["decode_tree", "encode_tree", "pack_tree", "read_metadata", "unpack_tree"]
+__all__ = ["decode_tree", "encode_tree", "pack_tree", "portable", "read_metadata", "unpack_tree"]
 
 _META_KEY = "diffckpt.tree"
 
@@ -282,3 +282,23 @@ def unpack_tree(buf: bytes | memoryview) -> Any:
         raise
     except Exception as exc:  # safetensors and malformed nodes raise assorted types
         raise CorruptRecordError(f"cannot decode state buffer: {type(exc).__name__}: {exc}") from None
+
+
+def portable(obj: Any) -> Any:
+    """``obj`` with numpy values as torch tensors and Python scalars, and tensors on the CPU.
+
+    ``torch.load(weights_only=True)`` (what ``LightningModule.load_from_checkpoint`` uses) refuses
+    numpy objects, and the recorded state holds some (DiffCheckpoint's numpy RNG state, for one).
+    CPU tensors load on any machine, whatever device the run was replayed on.
+    """
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(obj).copy())
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, dict):
+        return {portable(k): portable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(portable(v) for v in obj)
+    return obj

@@ -13,6 +13,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from diffckpt.errors import IncompatibleCheckpointError
+from diffckpt.hf_trainer import KEY  # the recorded state's key, which the hf-trainer export reads
 from diffckpt.replay import ReplayResult
 from diffckpt.rng import get_rng_state
 
@@ -21,7 +22,6 @@ if TYPE_CHECKING:
 
 __all__ = ["StepState", "load_callback_states", "load_trainer_state", "load_window", "trainer_state_json"]
 
-KEY = "transformers"  # the recorded state's key: a step written by this adapter has it
 
 # The Trainer's running loss window and FLO counter (attributes set in _inner_training_loop, not
 # part of TrainerState): restoring them makes the loss logged after a resume equal to the
