@@ -91,6 +91,7 @@ class DiffCheckpointCallback(TrainerCallback):
         self.resumed_step: int | None = None  # the step train() resumed, if it resumed one of ours
         self.epoch_rng: dict[str, Any] | None = None  # this rank's RNG at the current epoch's start
         self.epoch_generator: Any = None  # and its loader's shuffling generator, if it has one
+        self.log_cache: list[str] = []  # log_history entries encoded as JSON (see trainer_state_json)
         self._resume: dict[str, Any] | None = None  # this rank's restored RNG, until its event
         self._step = 0  # the newest optimizer step taken (TrainerState.global_step)
         self._started = self._closed = False
@@ -156,6 +157,7 @@ class DiffCheckpointCallback(TrainerCallback):
         trainer = self._attach()
         self._started = self._closed = False  # a later train() call is a session of its own
         self._resume = self.epoch_rng = self.epoch_generator = None
+        self.log_cache.clear()
         optimizer = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
         check_replayable(optimizer)
         self._module, self._optimizers = trainer.model, [optimizer]
