@@ -17,6 +17,18 @@ Timed, each into a fresh model and optimizer built beforehand:
 - ``lightning``: ``TorchCheckpointIO().load_checkpoint(path)`` (``torch.load``) +
   ``model.load_state_dict`` + ``optimizer.load_state_dict``, what a Lightning resume does for
   those tensors.
+- ``limit``: what replay cannot go below, for the same step, model, optimizer and thread count:
+  one full-state load plus N bare ``optimizer.step()`` calls on gradients already in memory.
+  Before timing, a restore reads the run's recorded gradients (as replay installs them: for the
+  TopK run, the dense gradients the codec decoded to, clipped as in training) and the
+  hyperparameters in force at each of the first ``--limit-steps`` steps into memory, and the
+  base's model and optimizer states are saved with ``torch.save`` next to the run. Timed:
+  ``torch.load`` of that file (the page cache warm, as for the restores) +
+  ``model.load_state_dict`` + ``optimizer.load_state_dict``, then per step the param groups'
+  hyperparameters set and every ``.grad`` pointed at the gradient in memory, and ``step()``. A
+  longer chain cycles through the gradients in memory (the work of a step does not depend on
+  its values); up to ``--limit-steps``, the limit's parameters and moments are checked bitwise
+  against the state trained, so it is the same computation as the restore.
 
 Every measurement is repeated ``--repeats`` times, interleaved (the order reverses every other
 repeat), and the median is reported. The page cache is warm unless a row says ``cold``: then every
@@ -25,10 +37,11 @@ file of the run (or the Lightning checkpoint) is dropped from the page cache fir
 longest chain, prefetching (segments read and decoded ahead of replay, ``diffckpt.runstore.
 PREFETCH_SEGMENTS``, 4 by default) is compared with none (0). Unless ``--no-codec``, a second run
 trains with ``TopK(0.01)`` compressed gradients (the payloads are the diffs) and its longest chain
-is restored too (prefetch on).
+is restored for every chain length too (prefetch on). Every restore is compared with the limit
+of its step, measured in the same process and interleaved with it.
 
-    python bench/restore.py [--steps 1000] [--repeats 3] [--size demo] [--threads 1]
-                            [--no-codec] [--quick]
+    python bench/restore.py [--steps 1000] [--repeats 3] [--size bench] [--threads 1]
+                            [--limit-steps 100] [--no-codec] [--quick]
 
 Writes ``bench/results/restore.md`` (``restore-quick.md`` with ``--quick``: the tiny model, 30
 steps, one repeat).
@@ -82,6 +95,17 @@ class Run:
     train_s: float = 0.0
     truth: dict[int, dict[str, Any]] = field(default_factory=dict)
     lightning: dict[int, str] = field(default_factory=dict)  # step -> .ckpt path
+    limit: Limit | None = None
+
+
+@dataclass
+class Limit:
+    """What the limit replays: the base's full state in a ``torch.save`` file, and the gradients
+    (in the optimizer's parameter order) and param-group hyperparameters of the first steps."""
+
+    path: str
+    grads: list[list[torch.Tensor | None]]
+    hypers: list[list[dict[str, Any]]]
 
 
 def chains(steps: int) -> list[int]:
@@ -195,8 +219,12 @@ def prefetching(depth: int) -> Iterator[None]:
         diffckpt.runstore.PREFETCH_SEGMENTS = saved
 
 
-def assert_bitwise(truth: dict[str, Any], model: GPT, opt: Any, what: str) -> None:
-    """The restored model and optimizer are the true ones, tensor for tensor."""
+def full_state(model: GPT, opt: Any) -> dict[str, Any]:
+    return {"model": model.state_dict(), "optimizer": opt.state_dict()}
+
+
+def assert_bitwise(truth: dict[str, Any], restored: dict[str, Any], what: str) -> None:
+    """The restored state is the true one, tensor for tensor."""
     def flat(obj: Any) -> Iterator[Any]:
         if isinstance(obj, dict):
             for k in sorted(obj, key=str):
@@ -207,7 +235,7 @@ def assert_bitwise(truth: dict[str, Any], model: GPT, opt: Any, what: str) -> No
         else:
             yield obj
 
-    got = list(flat({"model": model.state_dict(), "optimizer": opt.state_dict()}))
+    got = list(flat(restored))
     want = list(flat(truth))
     same = len(got) == len(want) and all(
         torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(got, want))
@@ -226,7 +254,7 @@ def time_diffckpt(args: argparse.Namespace, run: Run, step: int, cold: bool,
         start, cpu = time.perf_counter(), time.process_time()
         result = engine.restore(model, [opt], step, compressor=compressor)
         seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
-    assert_bitwise(run.truth[step], model, opt, f"restore of step {step}")
+    assert_bitwise(run.truth[step], full_state(model, opt), f"restore of step {step}")
     return {"s": seconds, "cpu_s": cpu, "replay_s": result.replay_s,
             "steps_per_s": result.steps_per_s,
             "mib_per_s": result.read_mib_per_s, "wait_s": result.read_wait_s,
@@ -244,8 +272,59 @@ def time_lightning(args: argparse.Namespace, run: Run, step: int, cold: bool) ->
     model.load_state_dict(ckpt["state_dict"])
     opt.load_state_dict(ckpt["optimizer_states"][0])
     seconds = time.perf_counter() - start
-    assert_bitwise(run.truth[step], model, opt, f"Lightning checkpoint of step {step}")
+    assert_bitwise(run.truth[step], full_state(model, opt), f"Lightning checkpoint of step {step}")
     return {"s": seconds}
+
+
+def gather_limit(args: argparse.Namespace, run: Run, workdir: str) -> Limit:
+    """Untimed: the base's full state saved to a file, and the gradients and hyperparameters
+    replay installs at each of the first ``--limit-steps`` steps (the TopK run's decoded and
+    clipped ones), read with a restore and a step pre-hook."""
+    model, opt, _, compressor = new_model(args, run.codec)
+    CheckpointEngine(run.root).restore(model, [opt], 0, compressor=compressor)
+    path = os.path.join(workdir, f"{os.path.basename(run.root)}-base.pt")
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+    limit = Limit(path, [], [])
+
+    def keep(optimizer: Any, *_: Any) -> None:
+        limit.grads.append([None if p.grad is None else p.grad.clone()
+                            for group in optimizer.param_groups for p in group["params"]])
+        limit.hypers.append([{k: v for k, v in group.items() if k != "params"}
+                             for group in optimizer.param_groups])
+
+    model, opt, _, compressor = new_model(args, run.codec)
+    opt.register_step_pre_hook(keep)
+    CheckpointEngine(run.root).restore(model, [opt], min(args.limit_steps, run.steps), compressor=compressor)
+    return limit
+
+
+def time_limit(args: argparse.Namespace, run: Run, step: int) -> dict[str, float]:
+    """One full-state load and ``step`` bare optimizer steps on the gradients in memory."""
+    assert run.limit is not None
+    limit = run.limit
+    model, opt, _, _ = new_model(args, run.codec)
+    params = [p for group in opt.param_groups for p in group["params"]]
+    gc.collect()
+    start = time.perf_counter()
+    state = torch.load(limit.path, weights_only=True)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    loaded = time.perf_counter()
+    for i in range(step):
+        for group, hyper in zip(opt.param_groups, limit.hypers[i % len(limit.hypers)]):
+            group.update(hyper)
+        for p, g in zip(params, limit.grads[i % len(limit.grads)]):
+            p.grad = g
+        opt.step()
+    seconds = time.perf_counter() - start
+    for p in params:
+        p.grad = None
+    if step <= len(limit.grads):  # param groups differ: the truth has them after the scheduler
+        truth = run.truth[step]
+        assert_bitwise({"model": truth["model"], "state": truth["optimizer"]["state"]},
+                       {"model": model.state_dict(), "state": opt.state_dict()["state"]},
+                       f"limit of step {step}")
+    return {"s": seconds, "load_s": loaded - start}
 
 
 def chain_bytes(run: Run, step: int) -> int:
@@ -273,8 +352,12 @@ def cases(dense: Run, topk: Run | None) -> dict[Case, Measure]:
     out["diffckpt", str(last), "cold", "on"] = lambda a: time_diffckpt(a, dense, last, True, 4)
     out["diffckpt", str(last), "cold", "off"] = lambda a: time_diffckpt(a, dense, last, True, 0)
     out["lightning", str(last), "cold", ""] = lambda a: time_lightning(a, dense, last, True)
+    for n in chains(dense.steps):
+        out["limit", str(n), "warm", ""] = lambda a, n=n: time_limit(a, dense, n)
     if topk is not None:
-        out["topk", str(last), "warm", "on"] = lambda a: time_diffckpt(a, topk, last, False, 4)
+        for n in chains(topk.steps):
+            out["topk", str(n), "warm", "on"] = lambda a, n=n: time_diffckpt(a, topk, n, False, 4)
+            out["topk-limit", str(n), "warm", ""] = lambda a, n=n: time_limit(a, topk, n)
     return out
 
 
@@ -350,6 +433,42 @@ def prefetch_table(results: dict[Case, list[dict[str, float]]], dense: Run) -> l
     return lines
 
 
+def limit_table(results: dict[Case, list[dict[str, float]]], dense: Run, topk: Run | None
+                ) -> list[str]:
+    lines = [
+        "| chain (steps replayed) | run | diffckpt restore s | limit s | of it, full-state load s "
+        "| restore / limit | restore - limit, ms per step |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    runs = [("dense", "diffckpt", "limit", dense)]
+    if topk is not None:
+        runs.append(("TopK(0.01)", "topk", "topk-limit", topk))
+    for n in chains(dense.steps):
+        for label, kind, limit_kind, _ in runs:
+            restore, limit = results[kind, str(n), "warm", "on"], results[limit_kind, str(n), "warm", ""]
+            t, bound = med(restore), med(limit)
+            lines.append("| " + " | ".join([
+                str(n), label, f"{t:.3f}", f"{bound:.3f}", f"{med(limit, 'load_s'):.3f}",
+                f"{t / bound:.2f}x", f"{(t - bound) / n * 1e3:.2f}" if n else "-"]) + " |")
+    return lines
+
+
+LIMIT_NOTES = (
+    "`limit`: one full-state load (`torch.load` of the base's model and optimizer states saved "
+    "with `torch.save` beside the run, page cache warm, + `load_state_dict` of both) and N bare "
+    "`optimizer.step()` calls, each after the param groups' hyperparameters are set and every "
+    "`.grad` points at a gradient already in memory: what replay would cost if reading, "
+    "checking and decoding the records were free. Same model, optimizer and thread count as "
+    "the restore, measured in the same process, interleaved with it; medians of the repeats. The "
+    "gradients are the ones replay installs, read before timing: the recorded ones for the dense "
+    "run, the dense gradients the codec decoded to (clipped as recorded) for the TopK run. For a "
+    "chain longer than the gradients kept in memory (`--limit-steps`) the limit cycles through "
+    "them; up to it, the limit's parameters and moments are checked bitwise against the state "
+    "trained. The TopK run's steps cost more than the dense run's: its sparse updates leave "
+    "subnormal second moments, on which AdamW's `sqrt` is slow, in training as in replay."
+)
+
+
 NOTES = (
     "`diffckpt restore s`: `CheckpointEngine.restore` into a fresh model and AdamW, median of the "
     "repeats. `base + plan s`: of that, everything before replay (listing, plan, base read, "
@@ -395,10 +514,12 @@ def parse_args() -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=1000, help="steps trained: the longest chain")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--size", default="demo", choices=sorted(SIZES))
+    ap.add_argument("--size", default="bench", choices=sorted(SIZES))
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     ap.add_argument("--codec", action=argparse.BooleanOptionalAction, default=True,
                     help="also train and restore a TopK(0.01) run (default: yes)")
+    ap.add_argument("--limit-steps", type=int, default=100,
+                    help="steps whose gradients the limit keeps in memory (default 100)")
     ap.add_argument("--tmp", help="parent of the temp run dir (default: the system temp dir)")
     ap.add_argument("--out", help="Markdown report path")
     ap.add_argument("--quick", action="store_true",
@@ -425,8 +546,12 @@ def main() -> None:
         topk = train(args, workdir, codec=True) if args.codec else None
         if topk is not None:
             print(f"trained {args.steps} TopK steps in {topk.train_s:.1f} s", flush=True)
+        for run in (dense, topk):
+            if run is not None:
+                run.limit = gather_limit(args, run, workdir)
         time_diffckpt(args, dense, min(10, args.steps), False, 4)  # warm the process up
         time_lightning(args, dense, args.steps, False)
+        time_limit(args, dense, min(10, args.steps))
         results = measure(args, cases(dense, topk))
         wall = time.perf_counter() - t_start
         load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -434,7 +559,10 @@ def main() -> None:
             "## Restore time versus chain length (warm page cache, prefetch on)", "",
             *chain_table(results, dense, topk), "",
             f"## Prefetching, chain {args.steps} (dense)", "", *prefetch_table(results, dense), "",
-            NOTES,
+            NOTES, "",
+            "## Restore versus the limit (warm page cache, prefetch on)", "",
+            *limit_table(results, dense, topk), "",
+            LIMIT_NOTES,
         ]
         report = ["# Restore time versus chain length", "", *machine_info(args, dense, topk),
                   f"- bench wall time {wall:.0f} s; load average after it {load}", "",

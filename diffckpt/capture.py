@@ -7,19 +7,28 @@ Encoding, compression and I/O happen in the background writer.
 
 from __future__ import annotations
 
-import hashlib
 import time
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from .codecs.compressor import GradientCompressor
-from .errors import UnsupportedConfigurationError
+from .errors import GradientMutatedError, UnsupportedConfigurationError
+from .leases import GradientLeases, Lease
 from .pausable import Pausable
 from .sharding import local
 
-__all__ = ["StepCapture", "clone_tree", "fingerprint", "group_hyperparams", "tree_nbytes"]
+__all__ = ["StepCapture", "clone_tree", "group_hyperparams", "tree_nbytes"]
+
+
+_SCALARS = frozenset({int, float, bool, str, type(None)})
+
+
+def _scalars(seq: list[Any] | tuple[Any, ...]) -> bool:
+    """Whether a plain list or tuple holds only Python scalars, checked in C: the python RNG state
+    recorded at every restorable step is a tuple of 625 ints, which would otherwise cost 625
+    recursive calls per walk."""
+    return set(map(type, seq)) <= _SCALARS
 
 
 def clone_tree(obj: Any) -> Any:
@@ -29,9 +38,9 @@ def clone_tree(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {k: clone_tree(v) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [clone_tree(v) for v in obj]
+        return list(obj) if type(obj) is list and _scalars(obj) else [clone_tree(v) for v in obj]
     if isinstance(obj, tuple):
-        return tuple(clone_tree(v) for v in obj)
+        return obj if type(obj) is tuple and _scalars(obj) else tuple(clone_tree(v) for v in obj)
     if hasattr(obj, "copy") and type(obj).__module__ == "numpy":
         return obj.copy()
     return obj
@@ -45,27 +54,13 @@ def tree_nbytes(obj: Any) -> int:
     if isinstance(obj, dict):
         return sum(tree_nbytes(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):
-        return sum(tree_nbytes(v) for v in obj)
+        return 0 if _scalars(obj) else sum(tree_nbytes(v) for v in obj)
     return 0
 
 
 def group_hyperparams(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """The hyperparameters of every param group (everything but the params), copied."""
     return [{k: clone_tree(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-
-
-def fingerprint(tensors: Iterable[torch.Tensor]) -> str:
-    """SHA-256 over the raw bytes of ``tensors`` in order: equal iff bitwise equal."""
-    h = hashlib.sha256()
-    for t in tensors:
-        t = local(t).detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        t = t.contiguous()
-        h.update(str((t.dtype, tuple(t.shape))).encode())
-        if t.numel():
-            h.update(t.reshape(-1).view(torch.uint8).numpy().data)
-    return h.hexdigest()
 
 
 def check_replayable(optimizer: torch.optim.Optimizer) -> None:
@@ -102,12 +97,16 @@ class StepCapture(Pausable):
     """Records, per optimizer step, the hyperparameters in force and a copy of every gradient,
     or, with a ``compressor``, the payloads the gradients were decoded from."""
 
-    def __init__(self, optimizers: list[torch.optim.Optimizer], compressor: GradientCompressor | None = None) -> None:
+    def __init__(self, optimizers: list[torch.optim.Optimizer], compressor: GradientCompressor | None = None,
+                 copy_gradients: bool = False) -> None:
         for opt in optimizers:
             check_replayable(opt)
         self.optimizers = list(optimizers)
         self.compressor = compressor
+        # Gradients are taken without a copy when training lets them go after the step.
+        self.leases = GradientLeases(self.optimizers, always_copy=copy_gradients or compressor is not None)
         self._events: list[dict[str, Any]] = []
+        self._taken: list[Lease] = []
         self._paused = False
         self._depth = [0] * len(self.optimizers)
         self._update_start = 0.0
@@ -122,6 +121,8 @@ class StepCapture(Pausable):
         def pre_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             if not self._paused:
                 check_step_arguments(optimizer, kwargs)
+                if not self._depth[index]:
+                    self.leases.before_step()  # the step may change gradients a record still holds
             self._depth[index] += 1
             if self._depth[index] == 1:
                 self._update_start = time.perf_counter()
@@ -148,9 +149,10 @@ class StepCapture(Pausable):
                 event.update(coded)
             else:
                 # Under FSDP2 the gradient is a DTensor: this rank's compact piece is what it
-                # consumed (the padding lives only in the reduce-scatter buffer).
-                event["grads"] = [[None if p.grad is None else local(p.grad).detach().clone() for p in g["params"]]
-                                  for g in optimizer.param_groups]
+                # consumed (the padding lives only in the reduce-scatter buffer); it is copied.
+                event["grads"], lease = self.leases.take(index, optimizer, local)
+                if lease is not None:
+                    self._taken.append(lease)
             self._events.append(event)
             self.copy_s += time.perf_counter() - start
         return hook
@@ -161,7 +163,23 @@ class StepCapture(Pausable):
         self.copy_s = self.update_s = 0.0
         return events
 
+    def take_leases(self) -> list[Lease]:
+        """The leases on gradients the steps since the last call took without a copy (the
+        writer waits for them before it reads those gradients)."""
+        self.leases.settle(before_change=False)  # what training let go of already
+        taken, self._taken = self._taken, []
+        for lease in taken:
+            if lease.failure is not None:  # refused here, before the record is queued
+                raise GradientMutatedError(lease.failure)
+        return [lease for lease in taken if not lease.ended]
+
+    def end_leases(self) -> None:
+        """End every lease now, copying what training still holds (before training waits for the
+        writer, which may be waiting for a lease)."""
+        self.leases.settle(before_change=False, resolve=True)
+
     def remove(self) -> None:
+        self.leases.remove()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

@@ -11,6 +11,7 @@ __all__ = [
     "ConcurrentWriterError",
     "CorruptRecordError",
     "DiffCkptError",
+    "GradientMutatedError",
     "IncompatibleCheckpointError",
     "ReplayMismatchError",
     "StorageError",
@@ -54,3 +55,8 @@ class StorageUnavailableError(StorageError):
 
 class ConcurrentWriterError(DiffCkptError, RuntimeError):
     """Another job started writing to the same run root; this writer stopped (was fenced)."""
+
+
+class GradientMutatedError(DiffCkptError, RuntimeError):
+    """A gradient a step record took without a copy was changed in place before training let go
+    of it; the record is refused (set ``CheckpointOptions(copy_gradients=True)``)."""

@@ -62,6 +62,12 @@ class CheckpointOptions:
             checkpoint. ``None``: no background compaction.
         compact_device: where background compaction replays (the device type training runs on
             gives a bit-exact base).
+        copy_gradients: copy every gradient at each step. By default a step's gradients are
+            taken without a copy once training lets them go (``zero_grad(set_to_none=True)``), and
+            copied when training keeps them (``set_to_none=False``, accumulation across steps);
+            set this when code changes gradients after ``optimizer.step()`` through ``.data``,
+            numpy or a view kept past the step, which the guard cannot see
+            (``docs/architecture.md``, Capture).
         flush_timeout_s: how long the final flush may take when training is interrupted
             (SIGTERM, SIGINT, an exception) before giving up; it then logs how far durability
             got. A normal end of training waits for storage as ``on_storage_error`` says.
@@ -79,6 +85,7 @@ class CheckpointOptions:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     on_storage_error: Literal["block", "raise"] = "block"
     flush_timeout_s: float = 30.0
+    copy_gradients: bool = False
     tuning: TuningOptions = field(default_factory=TuningOptions)
     retention: RetentionPolicy | None = None
     compact_every_n_steps: int | None = None
@@ -112,6 +119,8 @@ class CheckpointOptions:
             raise ValueError(f"retry must be a diffckpt.RetryPolicy, got {self.retry!r}")
         if not isinstance(self.flush_timeout_s, (int, float)) or self.flush_timeout_s < 0:
             raise ValueError(f"flush_timeout_s must be a non-negative number, got {self.flush_timeout_s!r}")
+        if not isinstance(self.copy_gradients, bool):
+            raise ValueError(f"copy_gradients must be True or False, got {self.copy_gradients!r}")
         if self.compression not in ("auto", "zstd", "none"):
             raise ValueError(f"compression must be 'auto', 'zstd' or 'none', got {self.compression!r}")
 

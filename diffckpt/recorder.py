@@ -23,6 +23,7 @@ import torch
 from .capture import StepCapture, clone_tree, group_hyperparams, tree_nbytes
 from .codecs.compressor import GradientCompressor
 from .errors import DiffCkptError
+from .leases import copy_tensors
 from .lifecycle.maintenance import Maintenance
 from .options import CheckpointOptions
 from .policies import IntervalPolicy, StepContext
@@ -30,6 +31,7 @@ from .replay import ReplayResult, replay
 from .runstore import RunStore
 from .shardedrun import ShardedRun, load_into_live, modules_of
 from .sharding import local, local_tree
+from .staging import HostStage
 from .storage import Storage, open_storage
 from .storage.retry import unwrap
 from .tuning.model import Decision, Settings
@@ -102,7 +104,7 @@ class Recorder:
         """
         if self.writer is not None:
             raise DiffCkptError("start() called twice; close() the running session first")
-        self.capture = StepCapture(optimizers, compressor)
+        self.capture = StepCapture(optimizers, compressor, copy_gradients=self.options.copy_gradients)
         params = dict(module.named_parameters())
         self._buffer_names = [k for k in module.state_dict() if k not in params]
         names = {id(p): n for n, p in params.items()}
@@ -126,6 +128,7 @@ class Recorder:
         self.writer = BackgroundWriter(self.stream, gen, self.options, after=step,
                                        write_batch=self.tuning.settings.write_batch, fence=self.storage,
                                        narrow_grads=self.stream is not self.store)
+        self.writer.before_wait = self.capture.end_leases
         self.tuning.start(step, self.writer, self._base_bytes_now)
         self._prev_step = self._last_base = step
         o, writer = self.options, self.writer
@@ -208,13 +211,15 @@ class Recorder:
         entered = time.perf_counter()
         copy_s, update_s = capture.copy_s, capture.update_s
         events = capture.take()
+        leases = capture.take_leases()
         buffers = dict(module.named_buffers())
+        names = [k for k in self._buffer_names if k in buffers]
         record: dict[str, Any] = {
             "step": step,
             "prev": self._prev_step,
             "events": events,
             "param_groups": [group_hyperparams(o) for o in capture.optimizers],
-            "buffers": {k: local(buffers[k]).detach().clone() for k in self._buffer_names if k in buffers},
+            "buffers": dict(zip(names, copy_tensors([local(buffers[k]).detach() for k in names]))),
             "state": None,
         }
         step_bytes = tree_nbytes(record)
@@ -224,11 +229,11 @@ class Recorder:
         state_s = time.perf_counter() - state_start
         # Not state cost: fingerprints come every fingerprint_every_n_steps whatever the tuner picks.
         if state is not None and self.policy.wants_fingerprint(self._context(step)):
-            record["fingerprint_params"] = [local(p).detach().clone() for p in module.parameters()]
+            record["fingerprint_params"] = copy_tensors([local(p).detach() for p in module.parameters()])
         # The step's part was counted above; add only what was attached since (no second walk).
         nbytes = step_bytes + tree_nbytes(record["state"]) + tree_nbytes(record.get("fingerprint_params", []))
         stalled = writer.stats.stall_seconds
-        writer.put_record(record, nbytes)
+        writer.put_record(record, nbytes, leases, HostStage.mark(record))
         self._prev_step = step
         if self.maintenance is not None:
             self.maintenance.poke()
@@ -255,7 +260,8 @@ class Recorder:
         if missing:
             raise DiffCkptError(f"model state for the base lacks parameters {missing[:3]}")
         stalled = writer.stats.stall_seconds
-        writer.put_base(step, tree, [tree["model"][n] for n in names], tree_nbytes(tree))
+        params = [tree["model"][n] for n in names]
+        writer.put_base(step, tree, params, tree_nbytes(tree), HostStage.mark((tree, params)))
         self._last_base = step
         done = time.perf_counter()
         self.tuning.note_base(done - start - (writer.stats.stall_seconds - stalled), tree_nbytes(tree), done)

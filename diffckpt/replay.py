@@ -4,6 +4,11 @@ Replay uses the caller's model and optimizers (same classes and implementation f
 training, same device type), sets each param group's hyperparameters as recorded, installs the
 recorded gradients and calls ``step()``. Fingerprints recorded in training are checked on the
 way; a mismatch raises instead of returning a wrong state.
+
+The replay thread does little else: segments are read, verified and decoded ahead (their
+tensors are views of the bytes read, installed as ``.grad`` without a copy), and each record is
+prepared ahead too (:class:`_Preparer`: compressed gradients decoded and clipped), both in
+background threads (:meth:`RunStore.read_records`).
 """
 
 from __future__ import annotations
@@ -21,9 +26,10 @@ from typing import Any
 
 import torch
 
-from .capture import fingerprint
+from .capture import clone_tree, tree_nbytes
+from .checksums import fingerprint_matches
 from .codecs import Codec, codec_from_config
-from .codecs.compressor import clip_gradients
+from .codecs.compressor import clip_tensors
 from .errors import (
     CheckpointNotFoundError,
     CorruptRecordError,
@@ -52,8 +58,8 @@ class ReplayResult:
     verified_through: int | None = None  # newest step whose fingerprint from training was matched
     # What replay cost, for logs and benchmarks: wall seconds from the base loaded into the model
     # to the end of replay, encoded segment bytes read, and of those seconds the time replay
-    # waited for segment reads (what prefetching did not hide). A replay redone after damage
-    # counts both passes.
+    # waited for records read and prepared (what prefetching did not hide). A replay redone after
+    # damage counts both passes.
     replay_s: float = 0.0
     read_bytes: int = 0
     read_wait_s: float = 0.0
@@ -181,18 +187,31 @@ class _Decoder:
 
     def codec(self, config: dict[str, Any]) -> Codec:
         key = json.dumps(config, sort_keys=True)
-        if key not in self.codecs:
+        if key not in self.codecs:  # a race between two threads builds it twice: both decode alike
             self.codecs[key] = codec_from_config(config)
         return self.codecs[key]
 
-    def grad(self, codec: Codec, p: torch.Tensor, payload: dict[str, torch.Tensor]) -> torch.Tensor:
+    def grad(self, codec: Codec, p: torch.Tensor, payload: dict[str, torch.Tensor]
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The gradient of ``p`` and the payload on ``p``'s device (for :attr:`last`, once applied)."""
         payload = {k: t.to(p.device) for k, t in payload.items()}
-        self.last[self.names.get(id(p), "")] = payload
-        return codec.decode(payload, p.shape, p.dtype)
+        return codec.decode(payload, p.shape, p.dtype), payload
 
 
-def _apply_event(event: dict[str, Any], optimizers: list[torch.optim.Optimizer], step: int,
-                 decoder: _Decoder) -> None:
+@dataclass
+class _Ready:
+    """An event's gradients as ``.grad`` takes them (per param group, ``None``: no gradient)
+    and, for a compressed step, each parameter's payload on its device, by name."""
+
+    grads: list[list[torch.Tensor | None]]
+    payloads: dict[str, dict[str, torch.Tensor]]
+
+
+def _ready(event: dict[str, Any], optimizers: list[torch.optim.Optimizer], step: int,
+           decoder: _Decoder) -> _Ready:
+    """Check an event against the optimizers and build its gradients as the optimizer consumed
+    them: decoded on each parameter's device, in its dtype, clipped as recorded. Changes nothing
+    else, so it may run ahead on a prefetch thread."""
     index = event["optimizer"]
     if index >= len(optimizers):
         raise IncompatibleCheckpointError(
@@ -204,23 +223,75 @@ def _apply_event(event: dict[str, Any], optimizers: list[torch.optim.Optimizer],
             f"{len(opt.param_groups)} now; configure the same param groups")
     coded = "payloads" in event
     codec = decoder.codec(event["codec"]) if coded else None
-    for group, hyper, grads in zip(opt.param_groups, event["groups"], event["payloads" if coded else "grads"]):
+    ready = _Ready([], {})
+    for group, grads in zip(opt.param_groups, event["payloads" if coded else "grads"]):
         if len(grads) != len(group["params"]):
             raise IncompatibleCheckpointError(
                 f"step {step}: a param group of optimizer {index} had {len(grads)} parameters in "
                 f"training, {len(group['params'])} now; the model or optimizer differs")
-        group.update(hyper)
+        out: list[torch.Tensor | None] = []
         for p, g in zip(group["params"], grads):
             if codec is not None and g is not None:
-                g = decoder.grad(codec, p, g)
+                g, ready.payloads[decoder.names.get(id(p), "")] = decoder.grad(codec, p, g)
             if g is not None and g.shape != p.shape:
                 raise IncompatibleCheckpointError(
                     f"step {step}: gradient of shape {tuple(g.shape)} for a parameter of shape "
                     f"{tuple(p.shape)}; the model differs from the one trained")
-            p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype)
-    if coded:
-        clip_gradients([p for group in opt.param_groups for p in group["params"]], event.get("clip"))
+            # A recorded gradient has the parameter's device and dtype: .to returns it as it is,
+            # a view of the segment read, which step() only reads.
+            out.append(None if g is None else g.to(device=p.device, dtype=p.dtype))
+        ready.grads.append(out)
+    if coded:  # the decoded gradients are new tensors: clipping them here changes nothing else
+        clip_tensors([g for grads in ready.grads for g in grads if g is not None], event.get("clip"))
+    return ready
+
+
+def _apply_event(event: dict[str, Any], ready: _Ready, optimizers: list[torch.optim.Optimizer],
+                 decoder: _Decoder) -> None:
+    """Set the hyperparameters in force, install the gradients, step."""
+    opt = optimizers[event["optimizer"]]
+    for group, hyper, grads in zip(opt.param_groups, event["groups"], ready.grads):
+        group.update(hyper)
+        for p, g in zip(group["params"], grads):
+            p.grad = g
+    decoder.last.update(ready.payloads)
     opt.step()
+
+
+class _Preparer:
+    """Readies records for replay (a :class:`~diffckpt.prefetch.Preparer`, on a prefetch thread
+    when replay reads ahead): the events' gradients (:func:`_ready`) and a copy of the framework
+    state, which outlives the segment it was read from.
+
+    Only events whose parameters are all on the CPU are readied ahead. On an accelerator the
+    payloads would be moved and decoded on the prefetch thread's current stream, not on the one
+    replay runs on, so :func:`replay` readies those itself, on its own thread. A session without
+    a codec has nothing to decode (its gradients are views of the segment already): its records
+    are prepared on the replay thread, which is cheaper than handing them over (:attr:`ahead`).
+    """
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer], decoder: _Decoder, coded: bool) -> None:
+        self.optimizers = optimizers
+        self.decoder = decoder
+        params = [[p for group in opt.param_groups for p in group["params"]] for opt in optimizers]
+        self.on_cpu = [all(p.device.type == "cpu" for p in ps) for ps in params]
+        self.dense_bytes = [sum(p.numel() * p.element_size() for p in ps) for ps in params]
+        self.ahead = coded and any(self.on_cpu)
+
+    def size(self, record: dict[str, Any]) -> int:
+        """The record's tensors (views of its segment) and, for a compressed step, the dense
+        gradients decoded from them."""
+        decoded = sum(self.dense_bytes[e["optimizer"]] for e in record["events"]
+                      if "payloads" in e and e["optimizer"] < len(self.dense_bytes))
+        return tree_nbytes(record) + decoded
+
+    def prepare(self, record: dict[str, Any]) -> dict[str, Any]:
+        step = record["step"]
+        with torch.no_grad():
+            ready = [_ready(e, self.optimizers, step, self.decoder)
+                     if e["optimizer"] < len(self.on_cpu) and self.on_cpu[e["optimizer"]] else None
+                     for e in record["events"]]
+        return dict(record, ready=ready, state=clone_tree(record.get("state")))
 
 
 _PROGRESS: contextvars.ContextVar[Callable[[int, int], None] | None] = contextvars.ContextVar(
@@ -263,7 +334,7 @@ def replay(store: RunStore, plan: RestorePlan, target: ReplayTarget | torch.nn.M
     # Fingerprints hash the parameters in training's order, whatever order the model uses now.
     params = ([target.params[n] for n in order] if sorted(order) == sorted(target.params)
               else list(target.params.values()))
-    if verify and info.get("fingerprint") and fingerprint(params) != info["fingerprint"]:
+    if verify and info.get("fingerprint") and not fingerprint_matches(params, info["fingerprint"]):
         raise ReplayMismatchError(
             f"{where}: loaded parameters do not match the fingerprint of step {plan.base.step}; "
             "the model's parameters differ from the ones trained (definition, dtype or device)")
@@ -277,7 +348,8 @@ def replay(store: RunStore, plan: RestorePlan, target: ReplayTarget | torch.nn.M
     decoder.last.update(result.codec_payloads)  # a compacted base carries the payloads before it
     last_applied = plan.base.step
     started, read = time.perf_counter(), ReadStats()
-    records = store.read_records(plan, stats=read)
+    records = store.read_records(plan, stats=read,
+                                 prepare=_Preparer(optimizers, decoder, coded=bool(meta.get("codec"))))
     # closing: an error raised here stops the segment reads running ahead at once, not at GC
     with torch.no_grad(), contextlib.closing(records):
         for record, problem in records:
@@ -285,9 +357,11 @@ def replay(store: RunStore, plan: RestorePlan, target: ReplayTarget | torch.nn.M
                 result.problems.append(problem or "no record")
                 break
             step = record["step"]
-            for event in record["events"]:
+            for event, ready in zip(record["events"], record["ready"]):
+                if ready is None:
+                    ready = _ready(event, optimizers, step, decoder)
                 with torch.enable_grad():
-                    _apply_event(event, optimizers, step, decoder)
+                    _apply_event(event, ready, optimizers, decoder)
             for opt, groups in zip(optimizers, record["param_groups"]):
                 for group, hyper in zip(opt.param_groups, groups):
                     group.update(hyper)
@@ -297,7 +371,7 @@ def replay(store: RunStore, plan: RestorePlan, target: ReplayTarget | torch.nn.M
                         f"step {step} recorded buffer {name!r} that the model does not have")
                 buffers[name].copy_(value)
             if verify and record.get("fingerprint"):
-                if fingerprint(params) != record["fingerprint"]:
+                if not fingerprint_matches(params, record["fingerprint"]):
                     raise ReplayMismatchError(
                         f"replayed parameters at step {step} do not match the fingerprint recorded in "
                         "training; replay must use the same optimizer class, implementation "
@@ -312,6 +386,8 @@ def replay(store: RunStore, plan: RestorePlan, target: ReplayTarget | torch.nn.M
                 result.codec_payloads = dict(decoder.last)
     for p in params:
         p.grad = None
+    # The payloads replayed are views of the segments read: the result gets copies of its own.
+    result.codec_payloads = clone_tree(result.codec_payloads)
     result.read_bytes, result.read_wait_s = read.bytes, read.wait_s
     result.replay_s = time.perf_counter() - started
     if result.problems:

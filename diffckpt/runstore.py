@@ -17,14 +17,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import CheckpointNotFoundError, ConcurrentWriterError, CorruptRecordError
-from .format import FORMAT_VERSION, BaseName, SegmentName, decode_commit, decode_segment, sha256
+from .format import (
+    FORMAT_VERSION,
+    BaseName,
+    SegmentName,
+    checksum_for,
+    decode_commit,
+    decode_segment,
+)
 from .inventory import Inventory
-from .prefetch import Fetched, Prefetcher
+from .prefetch import Fetched, Prefetcher, Preparer, ReadyAhead
 from .storage import Storage
-from .tree import unpack_tree
+from .tree import BlockPool, borrowing, unpack_tree
 
-__all__ = ["PREFETCH_BYTES", "PREFETCH_SEGMENTS", "RUN_FILE", "ReadStats", "RestorePlan",
-           "RunStore", "session_path", "tuning_path"]
+__all__ = ["PREFETCH_BYTES", "PREFETCH_READY_BYTES", "PREFETCH_SEGMENTS", "RUN_FILE", "ReadStats",
+           "RestorePlan", "RunStore", "session_path", "tuning_path"]
 
 log = logging.getLogger("diffckpt")
 RUN_FILE = "run.json"
@@ -36,6 +43,10 @@ a benchmark (``bench/restore.py``) can compare both through ``CheckpointEngine.r
 PREFETCH_BYTES = 256 * 2**20
 """At most this many encoded bytes are read ahead of the segment being replayed (one segment is
 always read, however large): the window's memory stays bounded whatever the segment size."""
+PREFETCH_READY_BYTES = 64 * 2**20
+"""At most this many bytes of records (their tensors and the gradients decoded from them) are
+prepared for replay ahead of the record being replayed, besides the segments read ahead. A
+record larger than this is prepared by replay itself when it reaches it."""
 PREFETCH_WORKERS = 2
 """Threads that read and decode ahead. Reads wait on storage, and checksums, zstd and the copies
 out of the segment release the GIL, so they overlap with replay; more threads than this slowed
@@ -79,7 +90,7 @@ class ReadStats:
 
     bytes: int = 0  # encoded segment bytes, as stored
     segments: int = 0
-    wait_s: float = 0.0  # time the caller waited for segments: reads that prefetch did not hide
+    wait_s: float = 0.0  # time the caller waited for segments (records, with prepare=): what prefetch did not hide
 
 
 class RunStore:
@@ -292,26 +303,28 @@ class RunStore:
 
     # ---------------------------------------------------------------- reading
     def load_base(self, base: BaseName) -> tuple[dict[str, Any], Any]:
-        """Return ``(commit info, state tree)`` of a committed base, verifying its checksum."""
+        """Return ``(commit info, state tree)`` of a committed base, verifying its checksum with
+        the hash algorithm of the marker's format version."""
         info = decode_commit(self.storage.read(base.commit_path), base.commit_path)
         if info.get("step") != base.step or info.get("gen") != base.gen:
             raise CorruptRecordError(f"{base.commit_path} describes step {info.get('step')} of session "
                                      f"{info.get('gen')}, not its own directory")
         expected = info["files"]["state.safetensors"]
+        algorithm = checksum_for(info["format"], f"{base.commit_path}: COMMIT marker")
         try:
             data = self.storage.read(base.state_path)
         except CheckpointNotFoundError:
             raise CorruptRecordError(
                 f"{base.state_path} is missing although its COMMIT exists; the base is unusable. "
                 "Restore an earlier step or remove the damaged base directory") from None
-        if len(data) != expected["size"] or sha256(data) != expected["sha256"]:
+        if len(data) != expected["size"] or algorithm.hexdigest(data) != expected[algorithm.key]:
             raise CorruptRecordError(
                 f"{base.state_path} fails its checksum (size {len(data)}, expected {expected['size']}); "
                 "the base is damaged. Restore an earlier step or verify the storage")
         return info, unpack_tree(data)
 
     def read_records(self, plan: RestorePlan, *, prefetch: int | None = None,
-                     stats: ReadStats | None = None
+                     stats: ReadStats | None = None, prepare: Preparer[dict[str, Any]] | None = None
                      ) -> Generator[tuple[dict[str, Any] | None, str | None], None, None]:
         """Yield ``(record, None)`` for each record after the base up to the target, in order.
 
@@ -324,11 +337,47 @@ class RunStore:
         Results are taken in order, so records, problems and errors are those of a sequential
         read, and nothing past the segment holding the target is read. Closing the generator
         early cancels the reads not yet started. ``stats``, if given, adds up what was read.
+
+        The tensors of a record are views of the segment it was read from (``tree.borrowing``),
+        which they keep in memory: read them, never write them, and copy what outlives replay.
+        ``prepare`` readies each record before it is yielded (replay decodes a step's gradients):
+        with prefetching and ``prepare.ahead``, in one more background thread, at most
+        :data:`PREFETCH_READY_BYTES` ahead (:class:`~diffckpt.prefetch.ReadyAhead`); otherwise
+        on the caller's thread.
         """
+        depth = PREFETCH_SEGMENTS if prefetch is None else prefetch
+        ahead = prepare is not None and prepare.ahead and depth > 0
+        pairs = self._records(plan, depth, stats, count_wait=not ahead)
+        if prepare is None:
+            yield from pairs
+            return
+        ready = ReadyAhead(pairs, _Pairs(prepare), PREFETCH_READY_BYTES) if ahead else None
+        try:
+            while True:
+                waited = time.perf_counter()
+                try:
+                    record, problem = next(ready) if ready is not None else next(pairs)
+                except StopIteration:
+                    return
+                if ready is None and record is not None:
+                    record = prepare.prepare(record)
+                elif ready is not None and stats is not None:
+                    stats.wait_s += time.perf_counter() - waited
+                yield record, problem
+        finally:
+            if ready is not None:
+                ready.close()  # which closes ``pairs`` on its thread
+            else:
+                pairs.close()
+
+    def _records(self, plan: RestorePlan, depth: int, stats: ReadStats | None, count_wait: bool
+                 ) -> Generator[tuple[dict[str, Any] | None, str | None], None, None]:
+        """:meth:`read_records` before preparation; ``count_wait``: add the time spent waiting
+        for segments to ``stats.wait_s`` (not when this runs on a thread of its own)."""
         expected_after = plan.base.step
-        ahead = Prefetcher(self._fetch, plan.through_target(), plan.sizes,
-                           PREFETCH_SEGMENTS if prefetch is None else prefetch,
-                           max_bytes=PREFETCH_BYTES, workers=PREFETCH_WORKERS)
+        blocks = BlockPool()
+        ahead = Prefetcher(lambda seg: self._fetch(seg, blocks), plan.through_target(), plan.sizes,
+                           depth, max_bytes=PREFETCH_BYTES, workers=PREFETCH_WORKERS)
         try:
             for seg in ahead.segments:
                 waited = time.perf_counter()
@@ -340,7 +389,8 @@ class RunStore:
                 if stats is not None:
                     stats.bytes += nbytes
                     stats.segments += 1
-                    stats.wait_s += time.perf_counter() - waited
+                    if count_wait:
+                        stats.wait_s += time.perf_counter() - waited
                 if header.get("after") != expected_after or header.get("gen") != seg.gen:
                     yield None, f"{seg.path}: header does not continue the chain at step {expected_after}"
                     return
@@ -365,11 +415,32 @@ class RunStore:
         finally:
             ahead.close()
 
-    def _fetch(self, seg: SegmentName) -> Fetched:
-        """Read and decode one segment (on a prefetch thread, or the caller's)."""
+    def _fetch(self, seg: SegmentName, blocks: BlockPool) -> Fetched:
+        """Read and decode one segment (on a prefetch thread, or the caller's); its tensors are
+        views of the bytes read, not copies, unless misaligned (``tree.borrowing``)."""
         data = self.storage.read(seg.path)
-        header, records, problem = decode_segment(data, seg.path)
+        with borrowing(blocks):
+            header, records, problem = decode_segment(data, seg.path)
         return header, records, problem, len(data)
+
+
+@dataclass
+class _Pairs:
+    """A record :class:`~diffckpt.prefetch.Preparer` over :meth:`RunStore.read_records`'
+    ``(record, problem)`` pairs (a problem has no record: nothing to prepare)."""
+
+    records: Preparer[dict[str, Any]]
+
+    @property
+    def ahead(self) -> bool:
+        return self.records.ahead
+
+    def size(self, item: tuple[dict[str, Any] | None, str | None]) -> int:
+        return 0 if item[0] is None else self.records.size(item[0])
+
+    def prepare(self, item: tuple[dict[str, Any] | None, str | None]
+                ) -> tuple[dict[str, Any] | None, str | None]:
+        return item if item[0] is None else (self.records.prepare(item[0]), item[1])
 
 
 def _sized(plans: list[RestorePlan], inv: Inventory) -> list[RestorePlan]:

@@ -24,12 +24,14 @@ from typing import Any
 
 import torch
 
-from .capture import fingerprint
+from .checksums import fingerprint
 from .errors import ConcurrentWriterError, DiffCkptError, StorageUnavailableError
 from .format import BaseName, SegmentName, base_commit, encode_segment_parts
+from .leases import Lease
 from .options import CheckpointOptions
 from .runstore import RunStore
 from .sharding import narrowed
+from .staging import HostStage
 from .storage import Storage
 from .storage.retry import RetryingStorage
 from .tree import pack_parts
@@ -75,6 +77,11 @@ class BackgroundWriter:
         self.last_step = after  # newest step handed to the writer
         self._after = after  # step the next segment continues from
         self._pending: list[dict[str, Any]] = []
+        self._pending_staged: list[list[torch.Tensor]] = []  # per pending record: host buffers to give back
+        self.stage = HostStage()
+        # Called on the training side before it waits for this thread (a full queue, a flush):
+        # it ends the leases this thread may be waiting for (StepCapture.end_leases).
+        self.before_wait: Callable[[], None] | None = None
         self._pending_bytes: list[int] = []  # queue bytes still held by pending records
         self._abandon = threading.Event()
         storage = store.storage
@@ -97,14 +104,19 @@ class BackgroundWriter:
         self._thread.start()
 
     # ------------------------------------------------------------ training side
-    def put_record(self, record: dict[str, Any], nbytes: int) -> None:
-        """Queue one step record (tensors already copied)."""
-        self._put("record", record, nbytes)
+    def put_record(self, record: dict[str, Any], nbytes: int, leases: list[Lease] | None = None,
+                   ready: Any = None) -> None:
+        """Queue one step record: its tensors copied, or leased from training (``leases``: the
+        writer reads those gradients only once the leases ended). ``ready``: the event after the
+        record's device work (:meth:`HostStage.mark`), for a record with GPU tensors."""
+        self._put("record", (record, leases or [], ready), nbytes)
         self.last_step = record["step"]
 
-    def put_base(self, step: int, tree: dict[str, Any], params: list[torch.Tensor], nbytes: int) -> None:
-        """Queue a full base; ``params`` are the copied parameters to fingerprint."""
-        self._put("base", (step, tree, params), nbytes)
+    def put_base(self, step: int, tree: dict[str, Any], params: list[torch.Tensor], nbytes: int,
+                 ready: Any = None) -> None:
+        """Queue a full base; ``params`` are the copied parameters to fingerprint (``ready`` as
+        for :meth:`put_record`)."""
+        self._put("base", (step, tree, params, ready), nbytes)
 
     def retarget(self, write_batch: int) -> None:
         """Take a new ``write_batch`` (the auto-tuner's) from the next record queued on.
@@ -125,6 +137,8 @@ class BackgroundWriter:
             TimeoutError: not done within ``timeout`` seconds (the writer goes on).
             StorageUnavailableError: storage is in an outage and ``on_storage_error="raise"``.
         """
+        if self.before_wait is not None:
+            self.before_wait()
         done = threading.Event()
         self._put("flush", done, 0)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -196,6 +210,8 @@ class BackgroundWriter:
         self._raise_if_failed()
         if self._closed:
             raise DiffCkptError("the checkpoint writer is closed; create a new one to write more")
+        if self.before_wait is not None and self._queue and self._queued_bytes + nbytes > self.options.max_pending_bytes:
+            self.before_wait()  # about to wait: the writer may be waiting for a lease
         with self._cond:
             start = None
             # Bytes of pending records count too; while the queue is empty the writer is idle and
@@ -253,7 +269,7 @@ class BackgroundWriter:
 
     def _handle(self, kind: str, item: Any) -> None:
         if kind == "record":
-            self._add_record(item)
+            self._add_record(*item)
         elif kind == "base":
             self._write_segment()
             self._drop_superseded(item[0])
@@ -266,7 +282,12 @@ class BackgroundWriter:
         elif kind == "retarget":
             self.write_batch, self._cut_next = item, True
 
-    def _add_record(self, record: dict[str, Any]) -> None:
+    def _add_record(self, record: dict[str, Any], leases: list[Lease], ready: Any) -> None:
+        events = [ready] if ready is not None else []
+        for lease in leases:  # gradients training has not let go of yet
+            lease.wait(self._abandon)
+            events += lease.ready
+        record, staged = self.stage.to_host(record, events)
         buffers = record.get("buffers") or {}
         last = self._last_buffers
         if last is not None:
@@ -281,6 +302,7 @@ class BackgroundWriter:
                 if "grads" in event:
                     event["grads"] = [[None if g is None else narrowed(g) for g in group] for group in event["grads"]]
         self._pending.append(record)
+        self._pending_staged.append(staged)
         if record.get("state") is not None and (self._cut_next or len(self._pending) >= self.write_batch):
             self._cut_next = False
             self._write_segment()
@@ -300,7 +322,7 @@ class BackgroundWriter:
             self.meter.add_segment(info["raw_bytes"], sum(len(p) for p in parts), time.monotonic() - start)
         self._commit(name.path, parts)
         self.stats.write_seconds += time.monotonic() - start
-        del self._pending[:cut]
+        self._forget(cut)
         with self._cond:
             self._queued_bytes -= sum(self._pending_bytes[:cut])
             del self._pending_bytes[:cut]
@@ -317,14 +339,22 @@ class BackgroundWriter:
         before ended at the newest restorable one) and the base carries the state after them."""
         cut = sum(1 for r in self._pending if r["step"] <= step)
         if cut:
-            del self._pending[:cut]
+            self._forget(cut)
             with self._cond:
                 self._queued_bytes -= sum(self._pending_bytes[:cut])
                 del self._pending_bytes[:cut]
                 self._cond.notify_all()
 
-    def _write_base(self, step: int, tree: dict[str, Any], params: list[torch.Tensor]) -> None:
+    def _forget(self, cut: int) -> None:
+        """Drop the first ``cut`` pending records (written, or superseded by a base)."""
+        del self._pending[:cut]
+        for staged in self._pending_staged[:cut]:
+            self.stage.release(staged)
+        del self._pending_staged[:cut]
+
+    def _write_base(self, step: int, tree: dict[str, Any], params: list[torch.Tensor], ready: Any) -> None:
         start = time.monotonic()
+        (tree, params), staged = self.stage.to_host((tree, params), [ready] if ready is not None else [])
         name = BaseName(step, self.gen)
         parts = pack_parts(tree)
         size = sum(len(p) for p in parts)
@@ -332,6 +362,7 @@ class BackgroundWriter:
             self.meter.add_base(size, time.monotonic() - start)
         self._commit(name.state_path, parts)
         self._commit(name.commit_path, base_commit(step, self.gen, fingerprint(params), parts))
+        self.stage.release(staged)
         self.stats.write_seconds += time.monotonic() - start
         self.stats.bases += 1
         self.stats.base_bytes += size

@@ -8,7 +8,7 @@ def test_core_public_api():
     assert sorted(diffckpt.__all__) == [
         "CheckpointEngine", "CheckpointNotFoundError", "CheckpointOptions", "CompactionResult",
         "ConcurrentWriterError",
-        "CorruptRecordError", "DiffCkptError", "FsspecStorage", "GradientCompressor",
+        "CorruptRecordError", "DiffCkptError", "FsspecStorage", "GradientCompressor", "GradientMutatedError",
         "IncompatibleCheckpointError",
         "ReplayMismatchError", "ReplayResult", "RetentionPolicy", "RetryPolicy", "Storage", "StorageError",
         "StorageUnavailableError", "TuningOptions", "UnsupportedConfigurationError", "collect_garbage", "compact",

@@ -165,7 +165,7 @@ def render(r: dict[str, Any]) -> str:
     zstd = f", zstd-1 {format_rate(est['zstd_bandwidth_bps'])}" if md["codec"] != "none" else ""
     lines += [f"  memory copy {copy}: record {_dur(est['record_s'])} per step, base copy "
               f"{_dur(est['base_capture_s'])}",
-              f"  encode {format_rate(1 / est['encode_s_per_byte'])} (SHA-256 "
+              f"  encode {format_rate(1 / est['encode_s_per_byte'])} (XXH3-128 "
               f"{format_rate(est['hash_bandwidth_bps'])}{zstd}), base serialize {_dur(est['base_encode_s'])}",
               f"  {md['optimizer']} step {_dur(est['optimizer_probe_s'])} on "
               f"{format_count(est['optimizer_probe_params'])} parameters -> {_dur(est['optimizer_step_s'])} "

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from ..pausable import Pausable
 from .base import Codec, Payload
 
-__all__ = ["GradientCompressor", "check_codec", "clip_gradients"]
+__all__ = ["GradientCompressor", "check_codec", "clip_gradients", "clip_tensors"]
 
 log = logging.getLogger("diffckpt")
 
@@ -40,6 +40,24 @@ def clip_gradients(params: list[torch.Tensor], clip: dict[str, Any] | None) -> N
         torch.nn.utils.clip_grad_value_(params, clip_value=clip["clip_value"])
     else:
         raise ValueError(f"unknown gradient clipping {clip['kind']!r} in a record")
+
+
+class _Holder:
+    """What torch's clipping functions read of a parameter: its ``.grad``."""
+
+    __slots__ = ("grad",)
+
+    def __init__(self, grad: torch.Tensor) -> None:
+        self.grad = grad
+
+
+def clip_tensors(grads: list[torch.Tensor], clip: dict[str, Any] | None) -> None:
+    """Clip ``grads`` in place as :func:`clip_gradients` clips parameters whose gradients they
+    are, in this order: the same function over the same tensors gives the same bits, without
+    installing them as ``.grad`` first (replay clips a step's decoded gradients ahead, on a
+    prefetch thread)."""
+    if clip:
+        clip_gradients(cast(list[torch.Tensor], [_Holder(g) for g in grads]), clip)
 
 
 def check_codec(codec: Any) -> None:

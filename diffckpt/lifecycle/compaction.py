@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..capture import fingerprint
+from ..checksums import fingerprint
 from ..deprecation import renamed_kwargs
 from ..errors import CheckpointNotFoundError
 from ..format import BaseName, base_commit

@@ -1,5 +1,5 @@
-"""Host microbenchmarks for planning: memory-copy bandwidth, SHA-256 and zstd speed, and the time
-of one real optimizer step, measured on this machine (:func:`measure_host`).
+"""Host microbenchmarks for planning: memory-copy bandwidth, checksum (XXH3-128) and zstd speed,
+and the time of one real optimizer step, measured on this machine (:func:`measure_host`).
 
 ``diffckpt tune`` runs before any training, so it times these small stand-ins for what the
 engine and the writer do to every byte of a step's record and of a base.
@@ -7,12 +7,12 @@ engine and the writer do to every byte of a step's record and of a base.
 
 from __future__ import annotations
 
-import hashlib
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..checksums import CURRENT
 from ..errors import UnsupportedConfigurationError
 from ..units import MiB
 
@@ -53,7 +53,8 @@ class HostCosts:
 
 
 def measure_host(optimizer: str = "adamw", device: str = "cpu") -> HostCosts:
-    """Time a tensor clone, SHA-256, zstd level 1 and one real optimizer step on ``device``."""
+    """Time a tensor clone, the checksum the writer computes (XXH3-128), zstd level 1 and one
+    real optimizer step on ``device``."""
     import torch
     import zstandard
 
@@ -68,7 +69,7 @@ def measure_host(optimizer: str = "adamw", device: str = "cpu") -> HostCosts:
     copy_s = _median_time(x.clone, 3, sync)
     del x
     buf = bytes(HASH_PROBE_BYTES)
-    hash_s = _median_time(lambda: hashlib.sha256(buf).digest(), 2)
+    hash_s = _median_time(lambda: CURRENT.digest(buf), 2)
     gen = torch.Generator().manual_seed(0)
     payload = torch.randn(ZSTD_PROBE_BYTES // 2, generator=gen).bfloat16().view(torch.uint8).numpy().tobytes()
     compressor = zstandard.ZstdCompressor(level=1)

@@ -7,9 +7,10 @@ What the tuner needs comes from three places:
   a few object sizes (:func:`~diffckpt.tuning.probe.probe`);
 - **given** by the user: parameter count, optimizer, codec, step time, MTBF, overhead budget,
   recovery-time objective, writer memory (:class:`~diffckpt.tuning.sizing.ModelSpec`);
-- **estimated on this machine**: memory-copy bandwidth (gradient copies, base copies), SHA-256
-  and zstd speed (encoding), the optimizer step time (replay, scaled linearly to the model size)
-  and a constant for the loop state of a restorable point (:mod:`~diffckpt.tuning.host`).
+- **estimated on this machine**: memory-copy bandwidth (gradient copies, base copies), checksum
+  (XXH3-128) and zstd speed (encoding), the optimizer step time (replay, scaled linearly to the
+  model size) and a constant for the loop state of a restorable point
+  (:mod:`~diffckpt.tuning.host`).
 
 The same cost model then runs as in training (:class:`~diffckpt.tuning.model.AutoTuner`). This is for
 planning: with ``"auto"`` settings, training measures all of this online and re-tunes.

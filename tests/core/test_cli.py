@@ -85,7 +85,7 @@ newest durable step 13 (g1): ckpt_path="<TMP>/run" (or "last" with DiffCheckpoin
 sessions
   gen  started                  resumed_from  durable  newest  ckpt_path
   g1   2023-11-14 22:13:20 UTC  0             0..13    13      <TMP>/run/step=13
-  g1 settings: base_every_n_steps=5 compression=none compression_level=1 every_n_steps=1 fingerprint_every_n_steps=2 flush_timeout_s=30.0 max_pending_bytes=268435456 on_storage_error=block retry.budget_s=60.0 retry.initial_backoff_s=0.2 retry.max_backoff_s=10.0 write_batch=3
+  g1 settings: base_every_n_steps=5 compression=none compression_level=1 copy_gradients=False every_n_steps=1 fingerprint_every_n_steps=2 flush_timeout_s=30.0 max_pending_bytes=268435456 on_storage_error=block retry.budget_s=60.0 retry.initial_backoff_s=0.2 retry.max_backoff_s=10.0 write_batch=3
 
 bases
   step  gen  size     path
@@ -95,17 +95,17 @@ bases
 
 segments
   after..last  gen  steps  size     path
-  0..3         g1   3      7.7 KiB  diffs/000000000000-000000000003.g000001.seg
-  3..5         g1   2      5.2 KiB  diffs/000000000003-000000000005.g000001.seg
-  5..8         g1   3      7.8 KiB  diffs/000000000005-000000000008.g000001.seg
-  8..10        g1   2      5.2 KiB  diffs/000000000008-000000000010.g000001.seg
-  10..13       g1   3      7.7 KiB  diffs/000000000010-000000000013.g000001.seg
+  0..3         g1   3      7.6 KiB  diffs/000000000000-000000000003.g000001.seg
+  3..5         g1   2      5.1 KiB  diffs/000000000003-000000000005.g000001.seg
+  5..8         g1   3      7.6 KiB  diffs/000000000005-000000000008.g000001.seg
+  8..10        g1   2      5.1 KiB  diffs/000000000008-000000000010.g000001.seg
+  10..13       g1   3      7.6 KiB  diffs/000000000010-000000000013.g000001.seg
 
 totals
-  on storage  48.7 KiB (49877 B)
-  bases       13.9 KiB (14272 B)
-  diffs       33.6 KiB (34434 B) over 13 steps, 2.6 KiB per step
-  other       1.1 KiB (1171 B)
+  on storage  48.0 KiB (49131 B)
+  bases       13.8 KiB (14113 B)
+  diffs       33.0 KiB (33820 B) over 13 steps, 2.5 KiB per step
+  other       1.2 KiB (1198 B)
 
 resume any durable step N with ckpt_path="<TMP>/run/step=N"
 """

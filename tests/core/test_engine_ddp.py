@@ -14,9 +14,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from engine_runs import LoopState
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from diffckpt.collective import LocalCollective, TorchCollective
 from diffckpt.engine import CheckpointEngine
+from diffckpt.leases import exclusive
 from diffckpt.options import CheckpointOptions
 from diffckpt.rng import set_rng_state
 
@@ -32,10 +34,14 @@ def make() -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
 
 
 def train(ddp: Any, opt: Any, sched: Any, rank: int, first: int, last: int, engine: Any = None) -> None:
+    bucket_view = getattr(ddp, "gradient_as_bucket_view", False)  # False: no DDP wrapper
     for step in range(first + 1, last + 1):
         x = torch.randn(16, 8, generator=torch.Generator().manual_seed(100 * step + rank))  # per-rank data
         opt.zero_grad()
         ddp(x).pow(2).mean().backward()
+        # gradient_as_bucket_view: .grad are views into DDP's buckets, which the next all-reduce
+        # overwrites; a record must copy them, never take them.
+        assert all(exclusive(p.grad) != bucket_view for p in ddp.parameters())
         opt.step()
         sched.step()
         if engine is not None:
@@ -48,7 +54,10 @@ def everything(module: Any, opt: Any, sched: Any) -> dict[str, Any]:
             "rng": torch.get_rng_state()}
 
 
-def worker(rank: int, port: int, root: str, out: str) -> None:
+def worker(rank: int, port: int, root: str, out: str, bucket_view: bool) -> None:
+    # With bucket views, no base after the first, so the resume replays steps whose gradients
+    # the next all-reduce overwrote in the buckets (a record must hold copies of them).
+    options = CheckpointOptions(write_batch=2, base_every_n_steps=None) if bucket_view else OPTIONS
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -58,17 +67,17 @@ def worker(rank: int, port: int, root: str, out: str) -> None:
     # The reference: the whole run, no diffckpt.
     module, opt, sched = make()
     torch.manual_seed(1000 + rank)
-    train(torch.nn.parallel.DistributedDataParallel(module), opt, sched, rank, 0, STEPS)
+    train(DDP(module, gradient_as_bucket_view=bucket_view), opt, sched, rank, 0, STEPS)
     reference = everything(module, opt, sched)
 
     # Checkpointed, stopped at STOP.
     module, opt, sched = make()
     torch.manual_seed(1000 + rank)
-    engine = CheckpointEngine(root, OPTIONS, collective=TorchCollective(group))
+    engine = CheckpointEngine(root, options, collective=TorchCollective(group))
     assert engine.rank == rank and engine.world_size == 2 and engine.is_main_process == (rank == 0)
     assert engine.resume(module, [opt], missing_ok=True) is None  # nothing there yet
     engine.begin(module, [opt], 0, LoopState(sched), meta={"framework": "plain DDP loop"})
-    train(torch.nn.parallel.DistributedDataParallel(module), opt, sched, rank, 0, STOP, engine)
+    train(DDP(module, gradient_as_bucket_view=bucket_view), opt, sched, rank, 0, STOP, engine)
     assert engine.agree(rank == 1) and not engine.agree(False)
     durable = engine.end("stopped for the test")
     assert durable == (STOP if rank == 0 else None)
@@ -76,13 +85,13 @@ def worker(rank: int, port: int, root: str, out: str) -> None:
     # Resumed in fresh objects, continued to the end.
     torch.manual_seed(4242)  # whatever the RNG is now, the resume restores this rank's
     module, opt, sched = make()
-    engine = CheckpointEngine(root, OPTIONS, collective=TorchCollective(group))
+    engine = CheckpointEngine(root, options, collective=TorchCollective(group))
     result = engine.resume(module, [opt])
     assert result is not None and result.step == STOP
     sched.load_state_dict(result.state["scheduler"])
     set_rng_state(engine.own(result.state["ranks"])["rng"])
     engine.begin(module, [opt], STOP, LoopState(sched))
-    train(torch.nn.parallel.DistributedDataParallel(module), opt, sched, rank, STOP, STEPS, engine)
+    train(DDP(module, gradient_as_bucket_view=bucket_view), opt, sched, rank, STOP, STEPS, engine)
     engine.end()
     torch.save({"reference": reference, "resumed": everything(module, opt, sched)}, f"{out}.rank{rank}.pt")
     dist.barrier()
@@ -95,10 +104,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_plain_ddp_loop_resumes_bit_exact_on_every_rank(tmp_path) -> None:
+@pytest.mark.parametrize("bucket_view", [False, True], ids=["own-grads", "gradient_as_bucket_view"])
+def test_plain_ddp_loop_resumes_bit_exact_on_every_rank(tmp_path, bucket_view: bool) -> None:
     root, out = str(tmp_path / "run"), str(tmp_path / "state")
     sys.path.insert(0, os.path.dirname(__file__))  # the spawned processes import this module
-    mp.spawn(worker, args=(_free_port(), root, out), nprocs=2, join=True)
+    mp.spawn(worker, args=(_free_port(), root, out, bucket_view), nprocs=2, join=True)
     for rank in (0, 1):
         saved = torch.load(f"{out}.rank{rank}.pt", weights_only=False)
         ref, res = saved["reference"], saved["resumed"]

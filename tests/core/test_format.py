@@ -3,14 +3,14 @@
 The files under ``tests/golden/`` were written by ``tests/golden/make_golden.py``. These tests
 check that the current code (a) still writes exactly those bytes, (b) still reads them back to the
 same values, (c) lays them out as ``docs/format.md`` says (checked by an independent reader that
-uses only json/struct/hashlib), (d) reports damage precisely, (e)-(f) round-trips every supported
-type of the tree encoding and refuses the rest.
+uses only json/struct/xxhash), (d) reports damage precisely, (e)-(f) round-trips every supported
+type of the tree encoding and refuses the rest. These are the format-2 files; the format-1 ones
+under ``tests/golden/v1/`` are checked by ``test_format_v1.py``.
 """
 
 from __future__ import annotations
 
 import base64
-import hashlib
 import importlib.util
 import json
 import math
@@ -26,8 +26,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import xxhash
 
-from diffckpt.capture import fingerprint
+from diffckpt.checksums import fingerprint
 from diffckpt.errors import (
     CheckpointNotFoundError,
     CorruptRecordError,
@@ -140,7 +141,7 @@ def test_real_writer_produces_the_golden_run(tmp_path: Path) -> None:
 
 def test_golden_files_are_small() -> None:
     total = sum(p.stat().st_size for p in GOLDEN.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
-    assert total < 50_000
+    assert total < 75_000  # the format-2 files, the format-1 fixtures under v1/ and the CLI outputs
 
 
 # =========================================================================================
@@ -196,25 +197,25 @@ def test_record_contents_match_the_documented_shape() -> None:
 
 
 def _fingerprint_by_the_doc(tensors: list[torch.Tensor]) -> str:
-    """Section 8 of docs/format.md, written independently of diffckpt.capture."""
-    h = hashlib.sha256()
+    """Section 8 of docs/format.md, written independently of diffckpt.checksums."""
+    h = xxhash.xxh3_128()
     for t in tensors:
         t = t.detach().cpu().contiguous()
         h.update(str((t.dtype, tuple(t.shape))).encode("ascii"))
         h.update(t.numpy().astype(t.numpy().dtype.newbyteorder("<"), copy=False).tobytes())
-    return h.hexdigest()
+    return "xxh3-128:" + h.hexdigest()
 
 
 def test_fingerprint_definition() -> None:
     params = mg.initial_params()
     tensors = [params[n] for n in mg.PARAM_NAMES]
     assert fingerprint(tensors) == _fingerprint_by_the_doc(tensors)
-    assert fingerprint(tensors) == "b9992cece49168b4f248891dc1083b208f9c0e040f45c61091aa211d5b33c48d"
-    manual = hashlib.sha256(b"(torch.float32, (2, 3))" + tensors[0].numpy().tobytes()
-                            + b"(torch.float32, (2,))" + tensors[1].numpy().tobytes()).hexdigest()
-    assert fingerprint(tensors) == manual
-    assert fingerprint([torch.zeros(0)]) == hashlib.sha256(b"(torch.float32, (0,))").hexdigest()
-    assert fingerprint([torch.tensor(1.0, dtype=torch.bfloat16)]) == hashlib.sha256(
+    assert fingerprint(tensors) == "xxh3-128:0711a8a0cc841de4686850e6450f2b41"
+    manual = xxhash.xxh3_128(b"(torch.float32, (2, 3))" + tensors[0].numpy().tobytes()
+                             + b"(torch.float32, (2,))" + tensors[1].numpy().tobytes()).hexdigest()
+    assert fingerprint(tensors) == "xxh3-128:" + manual
+    assert fingerprint([torch.zeros(0)]) == "xxh3-128:" + xxhash.xxh3_128(b"(torch.float32, (0,))").hexdigest()
+    assert fingerprint([torch.tensor(1.0, dtype=torch.bfloat16)]) == "xxh3-128:" + xxhash.xxh3_128(
         b"(torch.bfloat16, ())" + bytes([0x80, 0x3F])).hexdigest()
 
 
@@ -224,7 +225,7 @@ def test_base_and_commit_golden_decode() -> None:
     assert info == {"step": 0, "gen": 1, "format": FORMAT_VERSION,
                     "fingerprint": fingerprint([mg.initial_params()[n] for n in mg.PARAM_NAMES]),
                     "files": {"state.safetensors": {"size": len(state),
-                                                    "sha256": hashlib.sha256(state).hexdigest()}}}
+                                                    "xxh3_128": xxhash.xxh3_128(state).hexdigest()}}}
     store = RunStore(FsspecStorage(str(RUN)))
     loaded_info, tree = store.load_base(BaseName(0, 1))
     assert loaded_info == info
@@ -387,19 +388,20 @@ def _decode_by_the_doc(node: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
 
 def _read_segment_by_the_doc(data: bytes) -> tuple[dict[str, Any], list[Any]]:
-    """Section 4 with struct/json/hashlib only."""
+    """Section 4 (format 2) with struct/json/xxhash only."""
     assert data[0:8] == bytes.fromhex("44434b5345470001")
     (h,) = struct.unpack("<I", data[8:12])
     header_bytes = data[12 : 12 + h]
     header = json.loads(header_bytes)
     assert json.dumps(header, separators=(",", ":"), sort_keys=True).encode() == header_bytes
-    assert hashlib.sha256(data[: 12 + h]).digest() == data[-32:]  # the trailer covers the lead
+    assert header["format"] == 2
+    assert xxhash.xxh3_128(data[: 12 + h]).digest() == data[-16:]  # the trailer covers the lead
     offset = 12 + h
     records = []
     for entry in header["records"]:
-        assert list(entry) == ["length", "raw_length", "sha256", "step"]
+        assert list(entry) == ["length", "raw_length", "step", "xxh3_128"]
         blob = data[offset : offset + entry["length"]]
-        assert hashlib.sha256(blob).hexdigest() == entry["sha256"]
+        assert xxhash.xxh3_128(blob).hexdigest() == entry["xxh3_128"]
         if header["compression"] == "none":
             assert entry["raw_length"] == entry["length"]
         else:
@@ -411,7 +413,7 @@ def _read_segment_by_the_doc(data: bytes) -> tuple[dict[str, Any], list[Any]]:
         assert record["step"] == entry["step"]
         records.append(record)
         offset += entry["length"]
-    assert offset + 32 == len(data), "nothing between the last record and the trailer"
+    assert offset + 16 == len(data), "nothing between the last record and the trailer"
     return header, records
 
 
@@ -434,15 +436,15 @@ def test_independent_tree_reader_agrees() -> None:
 def test_segment_header_bytes_at_documented_offsets() -> None:
     data = golden(SEG1)
     assert data[:8] == SEGMENT_MAGIC == b"DCKSEG\x00\x01"
-    assert data[8:12] == bytes([0x34, 0x01, 0x00, 0x00])  # H = 308, little-endian
-    prefix = b'{"after":0,"compression":"none","format":1,"gen":1,"last":2,"records":['
+    assert data[8:12] == bytes([0xF8, 0x00, 0x00, 0x00])  # H = 248, little-endian
+    prefix = b'{"after":0,"compression":"none","format":2,"gen":1,"last":2,"records":['
     assert data[12 : 12 + len(prefix)] == prefix
-    assert data[0x13F:0x140] == b"}"  # header ends at 12 + H - 1
-    assert data[0x140:0x148] == struct.pack("<Q", 920)  # first blob: its safetensors length
-    assert data[0x148:0x15A] == b'{"__metadata__":{"'
-    assert data[0x510:0x518] == struct.pack("<Q", struct.unpack_from("<Q", data, 0x510)[0])
-    assert read_metadata(data[0x510 : 0x510 + 1112])["diffckpt.tree"].startswith('{"dict":[["step",2]')
-    assert len(data) == 2440 and data[0x968:] == hashlib.sha256(data[:0x140]).digest()
+    assert data[0x103:0x104] == b"}"  # header ends at 12 + H - 1
+    assert data[0x104:0x10C] == struct.pack("<Q", 920)  # first blob: its safetensors length
+    assert data[0x10C:0x11E] == b'{"__metadata__":{"'
+    assert data[0x4D4:0x4DC] == struct.pack("<Q", struct.unpack_from("<Q", data, 0x4D4)[0])
+    assert read_metadata(data[0x4D4 : 0x4D4 + 1088])["diffckpt.tree"].startswith('{"dict":[["step",2]')
+    assert len(data) == 2340 and data[0x914:] == xxhash.xxh3_128(data[:0x104]).digest()
 
 
 def test_doc_hex_dump_matches_golden() -> None:
@@ -458,7 +460,7 @@ def test_doc_hex_dump_matches_golden() -> None:
             hexbytes = bytes.fromhex(m[2].replace(" ", ""))
             assert data[offset : offset + len(hexbytes)] == hexbytes, f"doc hex dump line {m[1]}"
     # the trailer dump (second block, unmarked) is also right
-    trailer = re.search(r"```text\n(00000960 .*?)```", text, re.DOTALL)
+    trailer = re.search(r"```text\n(00000910 .*?)```", text, re.DOTALL)
     assert trailer is not None
     data = golden(SEG1)
     for line in trailer[1].strip().splitlines():
@@ -578,10 +580,10 @@ def test_flipped_trailer_keeps_all_records_but_reports() -> None:
 def test_truncated_segment() -> None:
     data = golden(SEG1)
     (_, _, _), (step2, off2, _) = _blob_offsets(data)
-    for cut in (len(data) - 1, len(data) - 32):  # into the trailer: records intact
+    for cut in (len(data) - 1, len(data) - 16):  # into the trailer: records intact
         _, records, problem = decode_segment(data[:cut], "seg")
         assert len(records) == 2 and problem is not None and "checksum" in problem
-    for cut in (len(data) - 33, off2 + 10, off2):  # into the second record
+    for cut in (len(data) - 17, off2 + 10, off2):  # into the second record
         _, records, problem = decode_segment(data[:cut], "seg")
         assert len(records) == 1 and problem is not None and f"step {step2}" in problem
     for cut in (0, 5, 11, 12, 40, off2 - 400):  # into the magic/header (or header intact, blob 1 cut)
@@ -602,8 +604,9 @@ def test_bad_magic_and_bad_header() -> None:
         decode_segment(data[:12] + b"[" + data[13:], "seg")
     with pytest.raises(CorruptRecordError, match="damaged or truncated"):
         decode_segment(data[:8] + struct.pack("<I", 10**6) + data[12:], "seg")
-    newer = data.replace(b'"format":1', b'"format":2', 1)
-    with pytest.raises(CorruptRecordError, match="format 2 is not supported"):
+    newer = data.replace(b'"format":2', b'"format":3', 1)
+    with pytest.raises(CorruptRecordError, match="seg: segment format 3 is not one this diffckpt reads "
+                       r"\(formats 1 and 2\); .*upgrade diffckpt"):
         decode_segment(newer, "seg")
     with pytest.raises(ValueError):  # CorruptRecordError is also a ValueError
         decode_segment(b"garbage" * 10)
@@ -672,7 +675,7 @@ def test_unknown_compression_is_refused() -> None:
 
 def test_damaged_commit_and_base(tmp_path: Path) -> None:
     data = golden(BASE_COMMIT)
-    for bad in (data[:-1], b"", data.replace(b'"format": 1', b'"format": 2'),
+    for bad in (data[:-1], b"", data.replace(b'"format": 2', b'"format": 3'),
                 data.replace(b'"files"', b'"filez"'), b"[]"):
         with pytest.raises(CorruptRecordError):
             decode_commit(bad, "COMMIT")

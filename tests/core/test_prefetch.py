@@ -321,5 +321,6 @@ def test_restore_benchmark_smoke_run(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=120, env=subprocess_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = out.read_text()
-    for row in ("| 0 |", "| 10 |", "| 30 |", "| 30, TopK(0.01) |", "| warm | none |", "| cold | 4 segments"):
+    for row in ("| 0 |", "| 10 |", "| 30 |", "| 30, TopK(0.01) |", "| warm | none |", "| cold | 4 segments",
+                "| 10 | dense |", "| 30 | TopK(0.01) |"):
         assert row in report

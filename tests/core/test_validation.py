@@ -4,7 +4,6 @@ fallback to an older base catches it."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import struct
@@ -17,20 +16,21 @@ import pytest
 from engine_runs import base_dir, train
 
 from diffckpt import CorruptRecordError, RetentionPolicy
+from diffckpt.checksums import XXH3_128
 from diffckpt.format import (
+    FORMAT_VERSION,
     SEGMENT_MAGIC,
     BaseName,
     SegmentName,
     decode_commit,
     decode_segment,
     encode_commit,
-    sha256,
 )
 from diffckpt.inventory import Inventory
 from diffckpt.tree import pack_tree, read_metadata, unpack_tree
 
-GOOD = {"step": 10, "gen": 1, "fingerprint": "ab" * 32,
-        "files": {"state.safetensors": {"size": 840, "sha256": "ff" * 32}}}
+GOOD = {"step": 10, "gen": 1, "fingerprint": "xxh3-128:" + "ab" * 16,
+        "files": {"state.safetensors": {"size": 840, "xxh3_128": "ff" * 16}}}
 
 
 def _without(info: dict[str, Any], key: str) -> dict[str, Any]:
@@ -39,11 +39,12 @@ def _without(info: dict[str, Any], key: str) -> dict[str, Any]:
 
 DAMAGED_COMMITS: dict[str, Any] = {
     "files is a list": {**GOOD, "files": [GOOD["files"]["state.safetensors"]]},
-    "files lacks the state": {**GOOD, "files": {"other.bin": {"size": 1, "sha256": "00"}}},
-    "state is a string": {**GOOD, "files": {"state.safetensors": "ff" * 32}},
-    "size is a string": {**GOOD, "files": {"state.safetensors": {"size": "840", "sha256": "ff" * 32}}},
-    "size is negative": {**GOOD, "files": {"state.safetensors": {"size": -1, "sha256": "ff" * 32}}},
-    "sha256 is missing": {**GOOD, "files": {"state.safetensors": {"size": 840}}},
+    "files lacks the state": {**GOOD, "files": {"other.bin": {"size": 1, "xxh3_128": "00"}}},
+    "state is a string": {**GOOD, "files": {"state.safetensors": "ff" * 16}},
+    "size is a string": {**GOOD, "files": {"state.safetensors": {"size": "840", "xxh3_128": "ff" * 16}}},
+    "size is negative": {**GOOD, "files": {"state.safetensors": {"size": -1, "xxh3_128": "ff" * 16}}},
+    "xxh3_128 is missing": {**GOOD, "files": {"state.safetensors": {"size": 840}}},
+    "a format-1 digest in format 2": {**GOOD, "files": {"state.safetensors": {"size": 840, "sha256": "ff" * 32}}},
     "step is missing": _without(GOOD, "step"),
     "step is a string": {**GOOD, "step": "10"},
     "gen is a bool": {**GOOD, "gen": True},
@@ -52,7 +53,7 @@ DAMAGED_COMMITS: dict[str, Any] = {
 
 
 def test_a_well_formed_commit_decodes() -> None:
-    assert decode_commit(encode_commit(GOOD), "COMMIT") == {**GOOD, "format": 1}
+    assert decode_commit(encode_commit(GOOD), "COMMIT") == {**GOOD, "format": FORMAT_VERSION}
     assert decode_commit(encode_commit({**GOOD, "compacted": {"from_base": 5}}), "COMMIT")["compacted"]
 
 
@@ -126,19 +127,31 @@ def test_a_damaged_commit_falls_back_to_an_older_base_under_python_O(
 
 # ----------------------------------------------------------------------------- segments
 def _segment(header: dict[str, Any], body: bytes = b"") -> bytes:
+    """A format-2 segment around ``header`` (which says ``format`` itself) and ``body``."""
     head = json.dumps(header).encode()
     lead = SEGMENT_MAGIC + struct.pack("<I", len(head)) + head
-    return lead + body + hashlib.sha256(lead).digest()
+    return lead + body + XXH3_128.digest(lead)
+
+
+_EMPTY = XXH3_128.hexdigest(b"")
 
 
 @pytest.mark.parametrize("records", [
-    [1, 2], {"a": 1}, [{"step": 1, "length": 0, "sha256": sha256(b"")}],  # no raw_length
-    [{"step": "1", "length": 0, "raw_length": 0, "sha256": sha256(b"")}],
-    [{"step": 1, "length": -5, "raw_length": 0, "sha256": sha256(b"")}],
-    [{"step": 1, "length": 0, "raw_length": 0, "sha256": None}],
+    [1, 2], {"a": 1}, [{"step": 1, "length": 0, "xxh3_128": _EMPTY}],  # no raw_length
+    [{"step": "1", "length": 0, "raw_length": 0, "xxh3_128": _EMPTY}],
+    [{"step": 1, "length": -5, "raw_length": 0, "xxh3_128": _EMPTY}],
+    [{"step": 1, "length": 0, "raw_length": 0, "xxh3_128": None}],
+    [{"step": 1, "length": 0, "raw_length": 0, "sha256": _EMPTY}],  # format 1's key in format 2
 ])
 def test_a_damaged_segment_header_is_a_corrupt_record(records: Any) -> None:
-    data = _segment({"format": 1, "compression": "none", "after": 0, "last": 1, "gen": 1, "records": records})
+    data = _segment({"format": 2, "compression": "none", "after": 0, "last": 1, "gen": 1, "records": records})
+    with pytest.raises(CorruptRecordError, match="segment header is damaged"):
+        decode_segment(data, "seg")
+
+
+@pytest.mark.parametrize("version", [None, "2", True, 2.0])
+def test_a_segment_format_that_is_no_version_number_is_damage(version: Any) -> None:
+    data = _segment({"format": version, "compression": "none", "after": 0, "last": 1, "gen": 1, "records": []})
     with pytest.raises(CorruptRecordError, match="segment header is damaged"):
         decode_segment(data, "seg")
 
@@ -152,8 +165,8 @@ def test_a_header_that_is_no_object_is_a_corrupt_record() -> None:
 
 def test_a_record_that_is_no_step_record_is_a_problem_not_an_error() -> None:
     blob = pack_tree(["not", "a", "record"])
-    entry = {"step": 1, "length": len(blob), "raw_length": len(blob), "sha256": sha256(blob)}
-    data = _segment({"format": 1, "compression": "none", "after": 0, "last": 1, "gen": 1,
+    entry = {"step": 1, "length": len(blob), "raw_length": len(blob), "xxh3_128": XXH3_128.hexdigest(blob)}
+    data = _segment({"format": 2, "compression": "none", "after": 0, "last": 1, "gen": 1,
                      "records": [entry]}, blob)
     _, records, problem = decode_segment(data, "seg")
     assert records == [] and problem is not None and "not a step record" in problem

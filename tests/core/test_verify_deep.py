@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from engine_runs import base_dir, train
 
-from diffckpt.capture import fingerprint
+from diffckpt.checksums import fingerprint
 from diffckpt.cli import main
-from diffckpt.format import decode_commit, encode_commit, sha256
+from diffckpt.format import decode_commit, encode_commit, state_entry
 from diffckpt.tree import pack_tree, unpack_tree
 
 STEPS = 20  # bases at 0, 5, 10, 15 and 20: four chains of five steps, the newest step is a base
@@ -44,7 +44,7 @@ def forge_base(root: Path, step: int) -> None:
     (directory / "state.safetensors").write_bytes(data)
     names = [n for n, _ in json.loads((root / "sessions/g000001.json").read_text())["parameters"]]
     info = decode_commit((directory / "COMMIT").read_bytes(), "COMMIT")
-    info["files"]["state.safetensors"] = {"size": len(data), "sha256": sha256(data)}
+    info["files"]["state.safetensors"] = state_entry([data])
     info["fingerprint"] = fingerprint(tree["model"][n] for n in names)
     (directory / "COMMIT").write_bytes(encode_commit(info))
 

@@ -4,12 +4,17 @@ Run ``python tests/golden/make_golden.py`` from the repository root to rewrite t
 for a deliberate format change (and bump ``diffckpt.format.FORMAT_VERSION`` if old files can no
 longer be read): the point of the golden files is that an accidental change fails the tests.
 
+It writes the current format (2: XXH3-128 checksums and fingerprints) only. ``v1/`` holds the
+same run, segment and sharded run in format 1 (SHA-256), as the format-1 releases of this script
+wrote them; they are read-only fixtures that show format-1 runs stay readable and verifiable
+(``tests/core/test_format_v1.py``), and nothing regenerates them: never rewrite them.
+
 Everything here is deterministic: explicit tensor values (no RNG, no BLAS), and every value is a
 small dyadic rational, so the simulated SGD steps are exact in float32 on any machine and the
 fingerprints do not depend on how a kernel rounds. Records are written with compression "none"
 so their bytes do not depend on the zstd library; ``segment-zstd.seg`` is only decoded.
 
-Files (paths relative to ``tests/golden/``):
+Files (paths relative to ``tests/golden/``), all written here but ``v1/``:
 
 * ``tree.safetensors``: one :func:`diffckpt.tree.pack_tree` buffer using every tag of the tree
   encoding (see :func:`all_tags_tree`).
@@ -18,7 +23,7 @@ Files (paths relative to ``tests/golden/``):
   ``run/run.json`` and ``run/sessions/g000001.json`` carry fixed times and are *not* byte-pinned.
 * ``segment-zstd.seg``: the records of segment ``0-2`` compressed with zstd (decode-only).
 * ``sharded/``: the same training as ``run/``, recorded sharded over 2 ranks (``docs/format.md``
-  section 9): each parameter is cut along dim 0 (``weight`` (2, 3) into two (1, 3) pieces, ``bias``
+  section 12): each parameter is cut along dim 0 (``weight`` (2, 3) into two (1, 3) pieces, ``bias``
   (2,) into two (1,) pieces), and rank ``r``'s stream under ``sharded/ranks/r0000<r>/`` holds only
   its pieces; buffers are not sharded and both streams hold them whole. The session files (root:
   world size; rank streams: shard tables) are not byte-pinned; the streams' bases and segments are.
@@ -38,8 +43,15 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent.parent))
 
-from diffckpt.capture import fingerprint
-from diffckpt.format import BaseName, SegmentName, encode_commit, encode_segment, sha256
+from diffckpt.checksums import fingerprint
+from diffckpt.format import (
+    FORMAT_VERSION,
+    BaseName,
+    SegmentName,
+    encode_commit,
+    encode_segment,
+    state_entry,
+)
 from diffckpt.tree import pack_tree
 
 GEN = 1
@@ -222,7 +234,12 @@ def commit_info(state_bytes: bytes) -> dict[str, Any]:
     """The COMMIT of the base, as ``BackgroundWriter._write_base`` builds it."""
     params = initial_params()
     return {"step": 0, "gen": GEN, "fingerprint": fingerprint([params[n] for n in PARAM_NAMES]),
-            "files": {"state.safetensors": {"size": len(state_bytes), "sha256": sha256(state_bytes)}}}
+            "files": {"state.safetensors": state_entry([state_bytes])}}
+
+
+def run_json() -> bytes:
+    """``run.json`` as ``RunStore.start_session`` writes it, with a fixed time (not byte-pinned)."""
+    return json.dumps({"format": "diffckpt", "updated": 0.0, "version": FORMAT_VERSION}, sort_keys=True).encode()
 
 
 def session_meta() -> dict[str, Any]:
@@ -297,8 +314,7 @@ def sharded_sessions() -> dict[str, bytes]:
     """The session files of ``sharded/`` (not byte-pinned: times)."""
     root = {"options": session_meta()["options"], "resumed_from": 0, "world_size": WORLD,
             "sharded": {"world_size": WORLD, "streams": "ranks/r<rank:05d>/"}, "gen": GEN, "started": 0.0}
-    files = {"sharded/run.json": json.dumps({"format": "diffckpt", "updated": 0.0, "version": 1},
-                                            sort_keys=True).encode(),
+    files = {"sharded/run.json": run_json(),
              "sharded/sessions/g000001.json": json.dumps(root, indent=1, sort_keys=True).encode()}
     for rank in (0, 1):
         meta = dict(session_meta(), parameters=[[k, [v.shape[0] // WORLD, *v.shape[1:]]]
@@ -344,8 +360,7 @@ def other_files() -> dict[str, bytes]:
     """Golden files that are not byte-pinned (times; zstd output depends on the library)."""
     _name, header, records = segment_inputs()[0]
     return {
-        "run/run.json": json.dumps({"format": "diffckpt", "updated": 0.0, "version": 1},
-                                   sort_keys=True).encode(),
+        "run/run.json": run_json(),
         "run/sessions/g000001.json": json.dumps(session_meta(), indent=1, sort_keys=True).encode(),
         "segment-zstd.seg": encode_segment(header, records, "zstd", 3),
         **sharded_sessions(),

@@ -1,0 +1,137 @@
+"""The device-specific stage of the writer: a record's GPU tensors moved to host memory.
+
+Capture never synchronises the training stream: gradients are leased or copied on the device
+(asynchronous kernels), and the record carries an event recorded on the training stream after
+them (:meth:`HostStage.mark`). The writer thread, not the training thread, then copies them to
+the host on a side stream that waits for that event, into pinned buffers from a bounded pool
+(reused from step to step: gradients have the same shapes every step), and waits for the side
+stream itself. Past the pool's bound it copies into ordinary memory, which is slower but never
+blocks on the pool.
+
+Device memory held by records is bounded by the writer queue: a record's device tensors count
+in ``max_pending_bytes`` from the commit until the writer has staged them, which it does as soon
+as the record's leases ended (``docs/architecture.md``, GPU path).
+
+On the CPU every tensor is on the host already and the stage returns the record as it is: one
+code path, with this module the only device-specific part.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+__all__ = ["DEFAULT_PINNED_BYTES", "HostStage", "PinnedPool", "on_device"]
+
+DEFAULT_PINNED_BYTES = 512 << 20
+"""Pinned host memory the stage may hold: page-locked memory is taken from the whole machine, so
+it is bounded; beyond it copies go to ordinary memory."""
+
+
+def on_device(tree: Any) -> bool:
+    """Whether any tensor of ``tree`` is on an accelerator."""
+    if isinstance(tree, torch.Tensor):
+        return tree.device.type != "cpu"
+    if isinstance(tree, dict):
+        return any(on_device(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return any(on_device(v) for v in tree)
+    return False
+
+
+class PinnedPool:
+    """Host buffers for device-to-host copies, reused by shape and dtype, at most ``capacity``
+    bytes of them pinned (``pin``); past that, ordinary memory that is not kept."""
+
+    def __init__(self, capacity: int, pin: bool) -> None:
+        self.capacity = capacity
+        self.pin = pin
+        self.held = 0  # bytes of buffers the pool owns (lent or free)
+        self._free: dict[tuple[torch.dtype, tuple[int, ...]], list[torch.Tensor]] = defaultdict(list)
+        self._own: set[int] = set()  # ids of the pool's buffers while lent
+
+    def take(self, like: torch.Tensor) -> torch.Tensor:
+        """A host buffer of ``like``'s shape and dtype."""
+        key = (like.dtype, tuple(like.shape))
+        if self._free[key]:
+            buf = self._free[key].pop()
+        else:
+            nbytes = like.numel() * like.element_size()
+            if self.held + nbytes > self.capacity:
+                return torch.empty(like.shape, dtype=like.dtype)  # past the bound: not pooled
+            buf = torch.empty(like.shape, dtype=like.dtype, pin_memory=self.pin)
+            self.held += nbytes
+        self._own.add(id(buf))
+        return buf
+
+    def give_back(self, buffers: list[torch.Tensor]) -> None:
+        """Return buffers once what was copied into them is written."""
+        for buf in buffers:
+            if id(buf) in self._own:
+                self._own.discard(id(buf))
+                self._free[(buf.dtype, tuple(buf.shape))].append(buf)
+
+
+class HostStage:
+    """Moves records' device tensors to the host on the writer thread (see the module doc)."""
+
+    def __init__(self, pinned_bytes: int = DEFAULT_PINNED_BYTES) -> None:
+        self.pool = PinnedPool(pinned_bytes, pin=torch.cuda.is_available())
+        self._streams: dict[int, Any] = {}
+
+    @staticmethod
+    def mark(tree: Any) -> Any:
+        """On the training thread, after the record's device work was queued: an event on the
+        current CUDA stream that the writer's copies wait for (``None`` for host-only records).
+        Recording an event does not synchronise."""
+        if not torch.cuda.is_available() or not on_device(tree):
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def to_host(self, tree: Any, ready: list[Any]) -> tuple[Any, list[torch.Tensor]]:
+        """``tree`` with every CUDA tensor copied to a host buffer, once the events ``ready``
+        completed; and the buffers to :meth:`release` after the record is written. Blocks the
+        calling (writer) thread only."""
+        if not on_device(tree):
+            return tree, []
+        taken: list[torch.Tensor] = []
+        used: dict[int, Any] = {}
+
+        def stream(device: torch.device) -> Any:
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            if index not in used:
+                if index not in self._streams:
+                    self._streams[index] = torch.cuda.Stream(device=index)
+                used[index] = s = self._streams[index]
+                for event in ready:
+                    s.wait_event(event)  # on the device: the host does not wait here
+            return used[index]
+
+        def move(obj: Any) -> Any:
+            if isinstance(obj, torch.Tensor):
+                if obj.device.type != "cuda":
+                    return obj
+                buf = self.pool.take(obj)
+                taken.append(buf)
+                with torch.cuda.stream(stream(obj.device)):
+                    buf.copy_(obj, non_blocking=True)
+                return buf
+            if isinstance(obj, dict):
+                return {k: move(v) for k, v in obj.items()}
+            if isinstance(obj, list):
+                return [move(v) for v in obj]
+            if isinstance(obj, tuple):
+                return tuple(move(v) for v in obj)
+            return obj
+
+        out = move(tree)
+        for s in used.values():
+            s.synchronize()
+        return out, taken
+
+    def release(self, buffers: list[torch.Tensor]) -> None:
+        self.pool.give_back(buffers)
