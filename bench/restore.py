@@ -19,16 +19,16 @@ Timed, each into a fresh model and optimizer built beforehand:
   those tensors.
 - ``limit``: what replay cannot go below, for the same step, model, optimizer and thread count:
   one full-state load plus N bare ``optimizer.step()`` calls on gradients already in memory.
-  Before timing, a restore reads the run's recorded gradients (as replay installs them: for the
-  TopK run, the dense gradients the codec decoded to, clipped as in training) and the
-  hyperparameters in force at each of the first ``--limit-steps`` steps into memory, and the
-  base's model and optimizer states are saved with ``torch.save`` next to the run. Timed:
-  ``torch.load`` of that file (the page cache warm, as for the restores) +
+  The base's model and optimizer states are saved with ``torch.save`` next to the run, untimed.
+  Timed: ``torch.load`` of that file (the page cache warm, as for the restores) +
   ``model.load_state_dict`` + ``optimizer.load_state_dict``, then per step the param groups'
-  hyperparameters set and every ``.grad`` pointed at the gradient in memory, and ``step()``. A
-  longer chain cycles through the gradients in memory (the work of a step does not depend on
-  its values); up to ``--limit-steps``, the limit's parameters and moments are checked bitwise
-  against the state trained, so it is the same computation as the restore.
+  hyperparameters set, every ``.grad`` pointed at a gradient already in memory, and ``step()``.
+  The gradients are the run's recorded ones as replay installs them (for the TopK run, the
+  dense gradients the codec decoded to, clipped as in training), with the hyperparameters in
+  force at each step: a restore in another thread clones them in a step pre-hook,
+  ``--limit-chunk`` steps at a time, while the limit's clock is stopped and waits between
+  chunks. The limit's parameters and moments are checked bitwise against the state trained: it
+  is the same computation as the restore, step for step.
 
 Every measurement is repeated ``--repeats`` times, interleaved (the order reverses every other
 repeat), and the median is reported. The page cache is warm unless a row says ``cold``: then every
@@ -41,7 +41,7 @@ is restored for every chain length too (prefetch on). Every restore is compared 
 of its step, measured in the same process and interleaved with it.
 
     python bench/restore.py [--steps 1000] [--repeats 3] [--size bench] [--threads 1]
-                            [--limit-steps 100] [--no-codec] [--quick]
+                            [--limit-chunk 100] [--no-codec] [--quick]
 
 Writes ``bench/results/restore.md`` (``restore-quick.md`` with ``--quick``: the tiny model, 30
 steps, one repeat).
@@ -58,6 +58,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -83,6 +84,7 @@ from diffckpt.runstore import RunStore
 
 CHAINS = (0, 10, 100, 1000)
 WRITE_BATCH = 8
+LIMIT_CHUNK = 100
 
 
 @dataclass
@@ -95,17 +97,7 @@ class Run:
     train_s: float = 0.0
     truth: dict[int, dict[str, Any]] = field(default_factory=dict)
     lightning: dict[int, str] = field(default_factory=dict)  # step -> .ckpt path
-    limit: Limit | None = None
-
-
-@dataclass
-class Limit:
-    """What the limit replays: the base's full state in a ``torch.save`` file, and the gradients
-    (in the optimizer's parameter order) and param-group hyperparameters of the first steps."""
-
-    path: str
-    grads: list[list[torch.Tensor | None]]
-    hypers: list[list[dict[str, Any]]]
+    base_file: str | None = None  # the base's full state, saved with torch.save (the limit's load)
 
 
 def chains(steps: int) -> list[int]:
@@ -276,55 +268,104 @@ def time_lightning(args: argparse.Namespace, run: Run, step: int, cold: bool) ->
     return {"s": seconds}
 
 
-def gather_limit(args: argparse.Namespace, run: Run, workdir: str) -> Limit:
-    """Untimed: the base's full state saved to a file, and the gradients and hyperparameters
-    replay installs at each of the first ``--limit-steps`` steps (the TopK run's decoded and
-    clipped ones), read with a restore and a step pre-hook."""
+def save_base(args: argparse.Namespace, run: Run, workdir: str) -> str:
+    """Untimed: the base's model and optimizer states, restored and saved with ``torch.save``
+    next to the run: the file the limit's full-state load reads."""
     model, opt, _, compressor = new_model(args, run.codec)
     CheckpointEngine(run.root).restore(model, [opt], 0, compressor=compressor)
     path = os.path.join(workdir, f"{os.path.basename(run.root)}-base.pt")
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
-    limit = Limit(path, [], [])
+    return path
 
-    def keep(optimizer: Any, *_: Any) -> None:
-        limit.grads.append([None if p.grad is None else p.grad.clone()
-                            for group in optimizer.param_groups for p in group["params"]])
-        limit.hypers.append([{k: v for k, v in group.items() if k != "params"}
-                             for group in optimizer.param_groups])
 
-    model, opt, _, compressor = new_model(args, run.codec)
-    opt.register_step_pre_hook(keep)
-    CheckpointEngine(run.root).restore(model, [opt], min(args.limit_steps, run.steps), compressor=compressor)
-    return limit
+class GradientFeed:
+    """The gradients and hyperparameters replay installs at steps 1..``last`` (the TopK run's
+    decoded and clipped ones), handed over ``chunk`` steps at a time: a restore in another
+    thread clones them in a step pre-hook and waits between chunks, without reading ahead, so
+    nothing of it runs while the limit's clock does."""
+
+    def __init__(self, args: argparse.Namespace, run: Run, last: int, chunk: int) -> None:
+        self.cond = threading.Condition()
+        self.items: list[tuple[list[torch.Tensor | None], list[dict[str, Any]]]] = []
+        self.allowed = 0  # steps the restore may hand over before waiting
+        self.error: BaseException | None = None
+        self.chunk = chunk
+        model, opt, _, compressor = new_model(args, run.codec)
+        opt.register_step_pre_hook(self._keep)
+
+        def produce() -> None:
+            try:
+                with prefetching(0):  # its reads stay on its thread, which waits between chunks
+                    CheckpointEngine(run.root).restore(model, [opt], last, compressor=compressor)
+            except BaseException as exc:  # reported to the limit, which waits for it
+                with self.cond:
+                    self.error = exc
+                    self.cond.notify_all()
+
+        self.thread = threading.Thread(target=produce, daemon=True)
+        self.thread.start()
+
+    def _keep(self, optimizer: Any, *_: Any) -> None:
+        with self.cond:
+            while self.allowed == 0:
+                self.cond.wait()
+            self.allowed -= 1
+        item = ([None if p.grad is None else p.grad.clone()
+                 for group in optimizer.param_groups for p in group["params"]],
+                [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups])
+        with self.cond:
+            self.items.append(item)
+            self.cond.notify_all()
+
+    def take(self, n: int) -> list[tuple[list[torch.Tensor | None], list[dict[str, Any]]]]:
+        """The next ``n`` steps' gradients and hyperparameters, waiting for them."""
+        with self.cond:
+            self.allowed += n
+            self.cond.notify_all()
+            while len(self.items) < n and self.error is None:
+                self.cond.wait()
+            if self.error is not None:
+                raise self.error
+            items, self.items = self.items, []
+        return items
 
 
 def time_limit(args: argparse.Namespace, run: Run, step: int) -> dict[str, float]:
-    """One full-state load and ``step`` bare optimizer steps on the gradients in memory."""
-    assert run.limit is not None
-    limit = run.limit
+    """One full-state load and ``step`` bare optimizer steps on gradients in memory; the clock
+    stops while the next ``--limit-chunk`` steps' gradients are fetched."""
+    assert run.base_file is not None
     model, opt, _, _ = new_model(args, run.codec)
     params = [p for group in opt.param_groups for p in group["params"]]
+    feed = GradientFeed(args, run, step, args.limit_chunk) if step else None
     gc.collect()
     start = time.perf_counter()
-    state = torch.load(limit.path, weights_only=True)
+    state = torch.load(run.base_file, weights_only=True)
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
-    loaded = time.perf_counter()
-    for i in range(step):
-        for group, hyper in zip(opt.param_groups, limit.hypers[i % len(limit.hypers)]):
-            group.update(hyper)
-        for p, g in zip(params, limit.grads[i % len(limit.grads)]):
-            p.grad = g
-        opt.step()
-    seconds = time.perf_counter() - start
+    seconds = load_s = time.perf_counter() - start
+    done = 0
+    while feed is not None and done < step:
+        chunk = feed.take(min(args.limit_chunk, step - done))
+        start = time.perf_counter()
+        for grads, hypers in chunk:
+            for group, hyper in zip(opt.param_groups, hypers):
+                group.update(hyper)
+            for p, g in zip(params, grads):
+                p.grad = g
+            opt.step()
+        seconds += time.perf_counter() - start
+        done += len(chunk)
+        del chunk
     for p in params:
         p.grad = None
-    if step <= len(limit.grads):  # param groups differ: the truth has them after the scheduler
-        truth = run.truth[step]
-        assert_bitwise({"model": truth["model"], "state": truth["optimizer"]["state"]},
-                       {"model": model.state_dict(), "state": opt.state_dict()["state"]},
-                       f"limit of step {step}")
-    return {"s": seconds, "load_s": loaded - start}
+    if feed is not None:
+        feed.thread.join()
+    # Tensors only: the truth has the param groups as the scheduler left them after the step.
+    truth = run.truth[step]
+    assert_bitwise({"model": truth["model"], "state": truth["optimizer"]["state"]},
+                   {"model": model.state_dict(), "state": opt.state_dict()["state"]},
+                   f"limit of step {step}")
+    return {"s": seconds, "load_s": load_s}
 
 
 def chain_bytes(run: Run, step: int) -> int:
@@ -460,12 +501,13 @@ LIMIT_NOTES = (
     "`.grad` points at a gradient already in memory: what replay would cost if reading, "
     "checking and decoding the records were free. Same model, optimizer and thread count as "
     "the restore, measured in the same process, interleaved with it; medians of the repeats. The "
-    "gradients are the ones replay installs, read before timing: the recorded ones for the dense "
-    "run, the dense gradients the codec decoded to (clipped as recorded) for the TopK run. For a "
-    "chain longer than the gradients kept in memory (`--limit-steps`) the limit cycles through "
-    "them; up to it, the limit's parameters and moments are checked bitwise against the state "
-    "trained. The TopK run's steps cost more than the dense run's: its sparse updates leave "
-    "subnormal second moments, on which AdamW's `sqrt` is slow, in training as in replay."
+    "gradients are the ones replay installs: the recorded ones for the dense run, the dense "
+    "gradients the codec decoded to (clipped as recorded) for the TopK run, fetched "
+    f"{LIMIT_CHUNK} steps at a time by a restore in another thread while the limit's clock is "
+    "stopped. The limit's parameters and moments are checked bitwise against the state trained. "
+    "The TopK run's steps cost more than the dense run's, and more the longer the chain: its "
+    "sparse updates leave ever more subnormal second moments, on which AdamW's `sqrt` is slow, "
+    "in training as in replay."
 )
 
 
@@ -474,8 +516,9 @@ NOTES = (
     "repeats. `base + plan s`: of that, everything before replay (listing, plan, base read, "
     "checksum and load into the model); `replay s`, `steps/s`, `MiB/s read` and `read wait s` "
     "come from the `ReplayResult` (`replay_s`, `steps_per_s`, `read_mib_per_s`, `read_wait_s`: "
-    "the time replay waited for segment data, what prefetching did not hide). `bytes on storage "
-    "(chain)`: the base and every segment up to the one holding the step (segments hold "
+    "the time replay waited for records read and prepared, what prefetching did not hide). "
+    "`bytes on storage (chain)`: the base and every segment up to the one holding the step "
+    "(segments hold "
     f"{WRITE_BATCH} steps and are read whole). `Lightning load s`: `TorchCheckpointIO."
     "load_checkpoint` + `model.load_state_dict` + `optimizer.load_state_dict` of a checkpoint of "
     "the same step (at step 0, AdamW has no moments yet on either side). `cold`: the files "
@@ -518,8 +561,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     ap.add_argument("--codec", action=argparse.BooleanOptionalAction, default=True,
                     help="also train and restore a TopK(0.01) run (default: yes)")
-    ap.add_argument("--limit-steps", type=int, default=100,
-                    help="steps whose gradients the limit keeps in memory (default 100)")
+    ap.add_argument("--limit-chunk", type=int, default=LIMIT_CHUNK,
+                    help="steps whose gradients the limit holds in memory at once (default 100)")
     ap.add_argument("--tmp", help="parent of the temp run dir (default: the system temp dir)")
     ap.add_argument("--out", help="Markdown report path")
     ap.add_argument("--quick", action="store_true",
@@ -548,7 +591,7 @@ def main() -> None:
             print(f"trained {args.steps} TopK steps in {topk.train_s:.1f} s", flush=True)
         for run in (dense, topk):
             if run is not None:
-                run.limit = gather_limit(args, run, workdir)
+                run.base_file = save_base(args, run, workdir)
         time_diffckpt(args, dense, min(10, args.steps), False, 4)  # warm the process up
         time_lightning(args, dense, args.steps, False)
         time_limit(args, dense, min(10, args.steps))

@@ -35,6 +35,7 @@ is not written). Training that does such things sets ``CheckpointOptions(copy_gr
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 from collections.abc import Callable
@@ -257,6 +258,9 @@ class GradientLeases:
             self.settle(before_change=True)
 
     def _wrap_zero_grad(self, zero_grad: Callable[..., None]) -> Callable[..., None]:
+        # functools.wraps: code that inspects the signature (Accelerate looks for set_to_none)
+        # sees the optimizer's own.
+        @functools.wraps(zero_grad)
         def wrapped(*args: Any, **kwargs: Any) -> None:
             set_to_none = kwargs.get("set_to_none", args[0] if args else True)
             if not set_to_none and self._watched:

@@ -268,11 +268,9 @@ class BlockPool:
     def take(self, nbytes: int) -> torch.Tensor:
         """A uint8 tensor of ``nbytes`` whose memory comes back here when the last tensor
         viewing it is freed (a finalizer on the array DLPack holds for torch)."""
-        with self._lock:
-            fits = [b for b in self._free if b.nbytes - self.ALIGN >= nbytes]
-            base = min(fits, key=lambda b: b.nbytes) if fits else None
-            if base is not None:
-                self._free.remove(base)
+        with self._lock:  # the smallest free block that fits (by position: arrays compare by value)
+            fits = [i for i, b in enumerate(self._free) if b.nbytes - self.ALIGN >= nbytes]
+            base = self._free.pop(min(fits, key=lambda i: self._free[i].nbytes)) if fits else None
         if base is None:
             base = np.empty(nbytes + self.ALIGN, dtype=np.uint8)
         shift = -base.ctypes.data % self.ALIGN
@@ -297,11 +295,13 @@ def borrowing(blocks: BlockPool | None = None) -> Iterator[None]:
     For a caller that only reads the tensors (replay installs a segment's gradients as ``.grad``
     and ``step()`` reads them): no copy and no fresh memory to fault in; the views keep the
     buffer alive. The buffer may be ``bytes``: the views then alias read-only memory and must
-    never be written, so copy whatever outlives the read (``capture.clone_tree``). Data that do
-    not start at a multiple of the largest element size are copied, the whole block at once,
-    into memory from ``blocks`` (one pool per reader recycles it): compiled kernels may assume
-    natural alignment. Bases are never decoded this way: ``Optimizer.load_state_dict`` keeps
-    the tensors it is given and updates them in place.
+    never be written, so copy whatever outlives the read (``capture.clone_tree``). A tensor is a
+    view only where its data start at a multiple of 64 bytes, as torch's allocator places
+    tensors: kernels may round differently at another alignment (MKL's matrix products do), and
+    some compiled ones assume at least natural alignment. The others are copied into one block
+    of a record from ``blocks`` (one pool per reader recycles them). Bases are never decoded
+    this way: ``Optimizer.load_state_dict`` keeps the tensors it is given and updates them in
+    place.
     """
     token = _BORROWING.set(blocks if blocks is not None else BlockPool())
     try:
@@ -339,23 +339,40 @@ def _load_tensors(buf: bytes | memoryview, header: dict[str, Any], start: int) -
     spans = _tensor_spans(header, len(data))
     blocks = _BORROWING.get()
     block = _alias(data) if spans and blocks is not None else None
-    if blocks is not None and block is not None and block.data_ptr() % max(d.itemsize for _, _, _, d, _ in spans):
-        # The data start wherever the segment put them. One copy of the whole block (torch
-        # copies without the GIL) aligns every tensor: safetensors orders them by decreasing
-        # element size.
-        block = blocks.take(len(data)).copy_(block)
+    if blocks is not None and block is not None:
+        return _borrow(block, spans, blocks)
     out = {}
     for begin, end, name, dtype, shape in spans:
         if begin == end:
             out[name] = torch.empty(shape, dtype=dtype)
-        elif block is not None:
-            piece = block[begin:end]
-            if begin % dtype.itemsize:  # another writer's order: view(dtype) needs it aligned
-                piece = piece.clone()
-            out[name] = piece.view(dtype).reshape(shape)
         else:
             raw = np.frombuffer(data, dtype=np.uint8, count=end - begin, offset=begin).copy()
             out[name] = torch.from_numpy(raw).view(dtype).reshape(shape)
+    return out
+
+
+def _borrow(block: torch.Tensor, spans: list[tuple[int, int, str, torch.dtype, list[int]]],
+            blocks: BlockPool) -> dict[str, torch.Tensor]:
+    """:func:`_load_tensors` inside :func:`borrowing`: views of ``block`` where a tensor starts
+    at a multiple of 64 bytes, copies into one block from ``blocks`` for the others."""
+    align = BlockPool.ALIGN
+    base = block.data_ptr()
+    # Where torch's allocator would have put the tensor: training's kernels saw that alignment,
+    # and some round by it (MKL's matrix products, for one); a segment puts data at any byte.
+    moved = {begin: -((begin - end) // align) * align  # the span's bytes, rounded up to ``align``
+             for begin, end, _, dtype, _ in spans
+             if end > begin and ((base + begin) % align or begin % dtype.itemsize)}
+    copies = blocks.take(sum(moved.values())) if moved else None
+    out, at = {}, 0
+    for begin, end, name, dtype, shape in spans:
+        if begin == end:
+            out[name] = torch.empty(shape, dtype=dtype)
+            continue
+        piece = block[begin:end]
+        if copies is not None and begin in moved:
+            piece = copies[at : at + end - begin].copy_(piece)  # torch copies without the GIL
+            at += moved[begin]
+        out[name] = piece.view(dtype).reshape(shape)
     return out
 
 

@@ -238,3 +238,13 @@ def test_capture_never_synchronises_the_training_stream(tmp_path: Path) -> None:
     truth = {STEPS: untouched(loop.model, [loop.opt])}
     assert engine.close() == STEPS
     assert_bitwise_equal(truth[STEPS], restored(tmp_path, STEPS, "cuda"))
+
+
+def test_the_wrapped_zero_grad_keeps_the_optimizers_signature() -> None:
+    """Accelerate passes set_to_none only when the signature of zero_grad has it."""
+    import inspect
+
+    _, opt = make("cpu")
+    leases = GradientLeases([opt])
+    assert "set_to_none" in inspect.signature(opt.zero_grad).parameters
+    leases.remove()

@@ -7,6 +7,7 @@ bytes, and what replay restores, reports and raises does not depend on any of it
 from __future__ import annotations
 
 import gc
+import json
 import shutil
 import struct
 import threading
@@ -44,33 +45,43 @@ def _address(buf: bytes) -> int:
     return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
 
 
-def test_borrowed_tensors_view_the_buffer_where_aligned_else_one_aligned_copy() -> None:
-    tree = {"w": torch.randn(3, 5), "n": torch.arange(7, dtype=torch.int64), "m": torch.tensor([True, False])}
+def test_borrowed_tensors_view_the_buffer_where_64_byte_aligned_else_aligned_copies() -> None:
+    tree = {"n": torch.arange(8, dtype=torch.int64), "odd": torch.randn(3), "w": torch.randn(4, 4),
+            "m": torch.tensor([True, False])}
     blob = pack_tree(tree)
-    (header,) = struct.unpack_from("<Q", blob)
+    (size,) = struct.unpack_from("<Q", blob)
+    header = json.loads(blob[8 : 8 + size])
+    meta = json.loads(header["__metadata__"]["diffckpt.tree"])
+    names = {_decode_name(meta, k): v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
     seen = set()
-    for shift in range(8):  # the buffer's data start at every address modulo 8
+    for shift in range(64):  # the buffer's data start at every address modulo 64
         buf = bytes(shift) + blob
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # no warning about read-only memory
             with borrowing():
                 got = unpack_tree(memoryview(buf)[shift:])
-        start = _address(buf) + shift + 8 + header
-        inside = {k: _address(buf) <= t.data_ptr() < _address(buf) + len(buf) for k, t in got.items()}
-        aligned = start % 8 == 0  # the largest element here is 8 bytes
-        seen.add(aligned)
-        assert all(inside.values()) if aligned else not any(inside.values())
-        storages = {t.untyped_storage().data_ptr() for t in got.values()}
-        assert len(storages) == 1  # one block: views of the buffer, or of one copy of it
-        assert all(t.data_ptr() % t.element_size() == 0 for t in got.values())
+        start = _address(buf) + shift + 8 + size
+        for key, t in got.items():
+            view = (start + names[key]) % 64 == 0
+            seen.add(view)
+            assert (_address(buf) <= t.data_ptr() < _address(buf) + len(buf)) == view
+            assert t.data_ptr() % 64 == 0
+        copies = {t.untyped_storage().data_ptr() for t in got.values()
+                  if not _address(buf) <= t.data_ptr() < _address(buf) + len(buf)}
+        assert len(copies) <= 1  # one block for the record's copies
         del buf
         gc.collect()
-        for k, t in tree.items():  # the views keep the buffer alive
-            assert got[k].dtype == t.dtype and torch.equal(got[k], t)
+        for key, t in tree.items():  # the views keep the buffer alive
+            assert got[key].dtype == t.dtype and torch.equal(got[key], t)
     assert seen == {True, False}
     # outside ``borrowing``: copies of their own, as before
     copied = unpack_tree(blob)
     assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in copied.values())
+
+
+def _decode_name(meta: Any, tensor: str) -> str:
+    """The key of the tree ``{key: tensor}`` whose tensor is stored under ``tensor``."""
+    return next(k for k, v in meta["dict"] if v == {"tensor": tensor})
 
 
 def test_a_block_pool_recycles_memory_once_no_tensor_views_it() -> None:

@@ -108,7 +108,9 @@ def test_side_by_side_with_the_trainers_own_saves(reference, tmp_path):
     """The Trainer's own saves every 5 steps next to diffs every step: after a kill the newer of
     the two wins, a half-written save of the Trainer's is set aside, and its complete ones stay."""
     common = ["--output-dir", str(tmp_path / "out"), "--dirpath", str(tmp_path / "run"), "--save-steps", "5"]
-    run("plain", tmp_path / "killed.pt", [*common, "--sleep", "0.1"], kill_at_step=13)
+    # Killed at 14: step 12's segment (write_batch 2) is committed at step 13's start and has step
+    # 13's sleep to become durable; at 13 the kill could win that race on a loaded machine.
+    run("plain", tmp_path / "killed.pt", [*common, "--sleep", "0.1"], kill_at_step=14)
     saves = sorted(n for n in os.listdir(tmp_path / "out") if n.startswith("checkpoint-"))
     assert saves == ["checkpoint-10", "checkpoint-5"], saves
     # What a kill during the Trainer's save of step 15 leaves: a folder without trainer_state.json,
