@@ -5,10 +5,10 @@ training, same device type), sets each param group's hyperparameters as recorded
 recorded gradients and calls ``step()``. Fingerprints recorded in training are checked on the
 way; a mismatch raises instead of returning a wrong state.
 
-The replay thread does little else: segments are read, verified and decoded ahead (their
-tensors are views of the bytes read, installed as ``.grad`` without a copy), and each record is
-prepared ahead too (:class:`_Preparer`: compressed gradients decoded and clipped), both in
-background threads (:meth:`RunStore.read_records`).
+The replay thread does little else: segments are read, verified and decoded ahead in background
+threads (their tensors are views of the bytes read where aligned, and are installed as ``.grad``
+as they are), and so are the compressed gradients (:class:`_Preparer`: decoded and clipped;
+:meth:`RunStore.read_records`).
 """
 
 from __future__ import annotations

@@ -338,8 +338,9 @@ class RunStore:
         read, and nothing past the segment holding the target is read. Closing the generator
         early cancels the reads not yet started. ``stats``, if given, adds up what was read.
 
-        The tensors of a record are views of the segment it was read from (``tree.borrowing``),
-        which they keep in memory: read them, never write them, and copy what outlives replay.
+        The tensors of a record are views of the segment it was read from where aligned
+        (``tree.borrowing``), which they keep in memory: read them, never write them, and copy
+        what outlives replay.
         ``prepare`` readies each record before it is yielded (replay decodes a step's gradients):
         with prefetching and ``prepare.ahead``, in one more background thread, at most
         :data:`PREFETCH_READY_BYTES` ahead (:class:`~diffckpt.prefetch.ReadyAhead`); otherwise
@@ -417,7 +418,8 @@ class RunStore:
 
     def _fetch(self, seg: SegmentName, blocks: BlockPool) -> Fetched:
         """Read and decode one segment (on a prefetch thread, or the caller's); its tensors are
-        views of the bytes read, not copies, unless misaligned (``tree.borrowing``)."""
+        views of the bytes read where 64-byte aligned, else copies into ``blocks``
+        (``tree.borrowing``)."""
         data = self.storage.read(seg.path)
         with borrowing(blocks):
             header, records, problem = decode_segment(data, seg.path)

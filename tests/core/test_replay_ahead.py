@@ -1,7 +1,7 @@
-"""Replay at optimizer speed: a record's tensors are views of the segment read (one aligned copy
-at most, never one per tensor), replay installs them as ``.grad`` as they are, records are
-prepared (codec payloads decoded and clipped) ahead of the optimizer in a window bounded in
-bytes, and what replay restores, reports and raises does not depend on any of it.
+"""Replay at optimizer speed: a record's tensors are views of the segment read where 64-byte
+aligned (else copies into one recycled aligned block), replay installs them as ``.grad`` as they
+are, records are prepared (codec payloads decoded and clipped) ahead of the optimizer in a
+window bounded in bytes, and what replay restores, reports and raises does not depend on it.
 """
 
 from __future__ import annotations
@@ -41,10 +41,6 @@ def _run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Truth]:
 
 
 # ------------------------------------------------------------------------------ views, copies
-def _address(buf: bytes) -> int:
-    return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
-
-
 def test_borrowed_tensors_view_the_buffer_where_64_byte_aligned_else_aligned_copies() -> None:
     tree = {"n": torch.arange(8, dtype=torch.int64), "odd": torch.randn(3), "w": torch.randn(4, 4),
             "m": torch.tensor([True, False])}
@@ -53,27 +49,32 @@ def test_borrowed_tensors_view_the_buffer_where_64_byte_aligned_else_aligned_cop
     header = json.loads(blob[8 : 8 + size])
     meta = json.loads(header["__metadata__"]["diffckpt.tree"])
     names = {_decode_name(meta, k): v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
-    seen = set()
-    for shift in range(64):  # the buffer's data start at every address modulo 64
-        buf = bytes(shift) + blob
+    seen: set[bool] = set()
+    for shift in range(64):  # the tensors' data start at every address modulo 64
+        raw = np.zeros(len(blob) + 128, dtype=np.uint8)
+        at = -(raw.ctypes.data + 8 + size) % 64 + shift
+        raw[at : at + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
+        buf = memoryview(raw)[at : at + len(blob)].toreadonly()  # read-only, as ``bytes`` are
         with warnings.catch_warnings():
-            warnings.simplefilter("error")  # no warning about read-only memory
+            warnings.simplefilter("error", UserWarning)  # no warning about read-only memory
             with borrowing():
-                got = unpack_tree(memoryview(buf)[shift:])
-        start = _address(buf) + shift + 8 + size
+                got = unpack_tree(buf)
+        lo, hi = raw.ctypes.data, raw.ctypes.data + raw.nbytes
         for key, t in got.items():
-            view = (start + names[key]) % 64 == 0
+            view = (raw.ctypes.data + at + 8 + size + names[key]) % 64 == 0
             seen.add(view)
-            assert (_address(buf) <= t.data_ptr() < _address(buf) + len(buf)) == view
+            assert (lo <= t.data_ptr() < hi) == view
             assert t.data_ptr() % 64 == 0
-        copies = {t.untyped_storage().data_ptr() for t in got.values()
-                  if not _address(buf) <= t.data_ptr() < _address(buf) + len(buf)}
+        copies = {t.untyped_storage().data_ptr() for t in got.values() if not lo <= t.data_ptr() < hi}
         assert len(copies) <= 1  # one block for the record's copies
-        del buf
+        del buf, raw
         gc.collect()
         for key, t in tree.items():  # the views keep the buffer alive
             assert got[key].dtype == t.dtype and torch.equal(got[key], t)
     assert seen == {True, False}
+    with borrowing():  # ``bytes`` themselves
+        got = unpack_tree(bytes(blob))
+    assert all(torch.equal(got[k], t) for k, t in tree.items())
     # outside ``borrowing``: copies of their own, as before
     copied = unpack_tree(blob)
     assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in copied.values())
