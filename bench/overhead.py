@@ -163,15 +163,6 @@ def child(args: argparse.Namespace) -> None:
 
 
 # ------------------------------------------------------------------------------ driver
-def checkout(rev: str, parent: str | None) -> str:
-    """The package files at commit ``rev``, extracted into a temp dir (no change to the repo)."""
-    dest = tempfile.mkdtemp(prefix=f"bench-{rev}-", dir=parent)
-    archive = subprocess.run(["git", "-C", ROOT, "archive", rev, "diffckpt", "lightning_ckpt"],
-                             capture_output=True, check=True).stdout
-    subprocess.run(["tar", "-x", "-C", dest], input=archive, check=True)
-    return dest
-
-
 def run_child(config: str, tree: str | None, args: argparse.Namespace) -> dict[str, Any]:
     fd, result = tempfile.mkstemp(suffix=".json")
     os.close(fd)
@@ -268,7 +259,7 @@ def main() -> None:
     if args.quick:
         args.size, args.steps, args.rounds = "demo", 10, 1
     from gpt import GPT, SIZES
-    from provenance import header, report_path, write_report
+    from provenance import checkout, header, report_path, write_report
 
     configs = args.configs.split(",")
     unknown = set(configs) - set(CONFIGS)

@@ -7,6 +7,7 @@ import datetime
 import os
 import platform
 import subprocess
+import tempfile
 
 import torch
 
@@ -57,3 +58,13 @@ def dir_usage(path: str) -> tuple[int, int]:
             total += os.path.getsize(os.path.join(dirpath, name))
             files += 1
     return total, files
+
+
+def checkout(rev: str, parent: str | None) -> str:
+    """The package files at commit ``rev``, extracted into a temp dir (no change to the repo):
+    put it first on a process's ``sys.path`` to measure the code before a change."""
+    dest = tempfile.mkdtemp(prefix=f"bench-{rev}-", dir=parent)
+    archive = subprocess.run(["git", "-C", ROOT, "archive", rev, "diffckpt", "lightning_ckpt"],
+                             capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", dest], input=archive, check=True)
+    return dest

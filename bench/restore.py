@@ -41,7 +41,12 @@ is restored for every chain length too (prefetch on). Every restore is compared 
 of its step, measured in the same process and interleaved with it.
 
     python bench/restore.py [--steps 1000] [--repeats 3] [--size bench] [--threads 1]
-                            [--limit-chunk 100] [--no-codec] [--quick]
+                            [--limit-chunk 100] [--no-codec] [--before REV] [--quick]
+
+``--before REV`` first runs the restores and limits of the last table with the package as
+committed at ``REV`` (a ``git archive``, first on a child process's ``sys.path``; the child trains
+its own runs, in that commit's format), then everything with the package as it is, and reports
+both ratios side by side.
 
 Writes ``bench/results/restore.md`` (``restore-quick.md`` with ``--quick``: the tiny model, 30
 steps, one repeat).
@@ -52,10 +57,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import json
 import logging
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -71,10 +78,13 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch.nn import functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
+# ``--tree DIR`` (a ``--before`` child): the package from DIR, so it must come first on the path
+# before anything imports it.
+TREE = next((sys.argv[i + 1] for i, a in enumerate(sys.argv[:-1]) if a == "--tree"), None)
+sys.path[:0] = [*([TREE] if TREE else []), ROOT, os.path.join(ROOT, "examples")]
 
 from gpt import GPT, SIZES, make_loader
-from provenance import header, report_path, write_report
+from provenance import checkout, header, report_path, write_report
 
 import diffckpt.runstore
 from diffckpt import CheckpointEngine, CheckpointOptions, GradientCompressor
@@ -402,6 +412,11 @@ def cases(dense: Run, topk: Run | None) -> dict[Case, Measure]:
     return out
 
 
+def in_limit_table(case: Case) -> bool:
+    """Whether ``case`` is in the limit table: restores (warm, prefetch on) and their limits."""
+    return case[0] in ("limit", "topk-limit") or (case[0] in ("diffckpt", "topk") and case[2:] == ("warm", "on"))
+
+
 def measure(args: argparse.Namespace, todo: dict[Case, Measure]
             ) -> dict[Case, list[dict[str, float]]]:
     results: dict[Case, list[dict[str, float]]] = {c: [] for c in todo}
@@ -494,6 +509,33 @@ def limit_table(results: dict[Case, list[dict[str, float]]], dense: Run, topk: R
     return lines
 
 
+Medians = dict[str, dict[str, float]]  # "kind chain" -> {"s": median s, "load_s": ...}
+
+
+def medians(results: dict[Case, list[dict[str, float]]]) -> Medians:
+    """The limit table's medians, by case, as a ``--before`` child hands them to its parent."""
+    return {f"{c[0]} {c[1]}": {"s": med(r)} for c, r in results.items() if in_limit_table(c)}
+
+
+def before_table(before: Medians, after: Medians, rev: str, steps: int, codec: bool) -> list[str]:
+    """Restore / limit with the package at ``rev`` and as it is now, each measured in its own
+    process (trained, restored and limited there), one after the other."""
+    lines = [
+        f"| chain (steps replayed) | run | restore s @{rev} | limit s @{rev} | restore / limit @{rev} "
+        "| restore s now | limit s now | restore / limit now |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    runs = [("dense", "diffckpt", "limit")] + ([("TopK(0.01)", "topk", "topk-limit")] if codec else [])
+    for n in chains(steps):
+        for label, kind, limit_kind in runs:
+            row = [str(n), label]
+            for got in (before, after):
+                t, bound = got[f"{kind} {n}"]["s"], got[f"{limit_kind} {n}"]["s"]
+                row += [f"{t:.3f}", f"{bound:.3f}", f"{t / bound:.2f}x"]
+            lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
 LIMIT_NOTES = (
     "`limit`: one full-state load (`torch.load` of the base's model and optimizer states saved "
     "with `torch.save` beside the run, page cache warm, + `load_state_dict` of both) and N bare "
@@ -567,6 +609,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--out", help="Markdown report path")
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: tiny model, 30 steps, 1 repeat")
+    ap.add_argument("--before", metavar="REV",
+                    help="first measure restores and limits with the package at commit REV, in a "
+                         "process of its own (same arguments), and report both")
+    ap.add_argument("--tree", help=argparse.SUPPRESS)  # read before the imports (TREE)
+    ap.add_argument("--result", help=argparse.SUPPRESS)  # a --before child's medians (JSON)
     args = ap.parse_args()
     if args.quick:
         args.size, args.steps, args.repeats = "tiny", 30, 1
@@ -575,11 +622,33 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def measure_before(args: argparse.Namespace) -> Medians:
+    """The limit table's medians with the package at ``--before``: this script in a process of
+    its own with the same arguments, the package from a ``git archive`` of that commit."""
+    tree = checkout(args.before, args.tmp)
+    fd, result = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        cmd = [sys.executable, os.path.abspath(__file__), "--steps", str(args.steps),
+               "--repeats", str(args.repeats), "--size", args.size, "--threads", str(args.threads),
+               "--limit-chunk", str(args.limit_chunk), "--codec" if args.codec else "--no-codec",
+               "--tree", tree, "--result", result, *(["--tmp", args.tmp] if args.tmp else [])]
+        subprocess.run(cmd, check=True)
+        with open(result) as f:
+            return json.load(f)
+    finally:
+        shutil.rmtree(tree, ignore_errors=True)
+        os.unlink(result)
+
+
 def main() -> None:
     args = parse_args()
     warnings.filterwarnings("ignore")
     logging.getLogger("diffckpt").setLevel(logging.ERROR)
     torch.set_num_threads(args.threads)
+    if args.before:
+        before = measure_before(args)
+        print(f"measured @{args.before}", flush=True)
     out = report_path(args.out, "restore", args.quick)
     workdir = tempfile.mkdtemp(prefix="bench-restore-", dir=args.tmp)
     t_start = time.perf_counter()
@@ -595,7 +664,12 @@ def main() -> None:
         time_diffckpt(args, dense, min(10, args.steps), False, 4)  # warm the process up
         time_lightning(args, dense, args.steps, False)
         time_limit(args, dense, min(10, args.steps))
-        results = measure(args, cases(dense, topk))
+        todo = cases(dense, topk)
+        if args.result:  # a --before child: the limit table only, handed to the parent
+            with open(args.result, "w") as f:
+                json.dump(medians(measure(args, {c: m for c, m in todo.items() if in_limit_table(c)})), f)
+            return
+        results = measure(args, todo)
         wall = time.perf_counter() - t_start
         load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
         sections = [
@@ -607,6 +681,15 @@ def main() -> None:
             *limit_table(results, dense, topk), "",
             LIMIT_NOTES,
         ]
+        if args.before:
+            sections += [
+                "", f"## Before and after: the package at {args.before} and now", "",
+                *before_table(before, medians(results), args.before, args.steps, args.codec), "",
+                f"`@{args.before}`: this script with the package as committed at {args.before} "
+                "(`--before`), in a process of its own run first: trained, restored and limited "
+                "there, the same arguments. `now`: the rows of the table above. Compare the "
+                "ratios: each is measured within one process, restores and limits interleaved.",
+            ]
         report = ["# Restore time versus chain length", "", *machine_info(args, dense, topk),
                   f"- bench wall time {wall:.0f} s; load average after it {load}", "",
                   *sections, ""]
