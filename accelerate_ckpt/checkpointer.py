@@ -14,9 +14,7 @@ scaler, Accelerate's step counter, and every rank's RNG and data position.
 
 from __future__ import annotations
 
-import logging
 import os
-from types import TracebackType
 from typing import Any
 
 import accelerate
@@ -25,8 +23,8 @@ from accelerate import Accelerator
 
 from diffckpt.capture import check_replayable
 from diffckpt.codecs import Codec
-from diffckpt.engine import CheckpointEngine
 from diffckpt.errors import DiffCkptError
+from diffckpt.loop import LoopCheckpointer, check_log_every
 from diffckpt.options import (
     DEFAULT_BASE_EVERY_N_STEPS,
     DEFAULT_EVERY_N_STEPS,
@@ -35,7 +33,6 @@ from diffckpt.options import (
     CheckpointOptions,
     merge_options,
 )
-from diffckpt.preemption import StopSignal
 from diffckpt.replay import ReplayResult
 from diffckpt.rng import set_rng_state
 
@@ -47,10 +44,7 @@ from .support import check_supported, prepared_model
 
 __all__ = ["DiffCheckpointer"]
 
-log = logging.getLogger("diffckpt")
-
-
-class DiffCheckpointer:
+class DiffCheckpointer(LoopCheckpointer):
     """Differential checkpoints of an Accelerate training loop.
 
     Create it after ``accelerator.prepare(...)``; it captures every optimizer step from then on.
@@ -67,6 +61,9 @@ class DiffCheckpointer:
             Each of the three may be ``"auto"``: the auto-tuner measures the run and picks it
             for ``options.tuning`` (:class:`diffckpt.TuningOptions`); its decisions go to
             ``accelerator.log`` as ``diffckpt/*`` when trackers are set up.
+        log_every_n_steps: with trackers set up (``accelerator.init_trackers``), the
+            checkpointing metrics (durable step, lag, bytes per step, writer stall, queue fill:
+            ``docs/lightning.md#metrics``) go to ``accelerator.log`` every this many steps.
         options: every other setting (:class:`diffckpt.CheckpointOptions`); a knob above left at
             its default takes its value from here.
         storage_options: fsspec options (credentials, endpoint).
@@ -83,13 +80,13 @@ class DiffCheckpointer:
                  every_n_steps: int | Auto = DEFAULT_EVERY_N_STEPS, write_batch: int | Auto = DEFAULT_WRITE_BATCH,
                  base_every_n_steps: int | Auto | None = DEFAULT_BASE_EVERY_N_STEPS,
                  options: CheckpointOptions | None = None, storage_options: dict[str, Any] | None = None,
-                 codec: Codec | None = None, **legacy: Any) -> None:
-        self.url = os.fspath(dirpath)
-        check_supported(accelerator, self.url)
+                 codec: Codec | None = None, log_every_n_steps: int = 50, **legacy: Any) -> None:
+        url = os.fspath(dirpath)
+        check_log_every(log_every_n_steps)
+        check_supported(accelerator, url)
         self.accelerator = accelerator
-        self.options = merge_options(options, legacy, every_n_steps=every_n_steps, write_batch=write_batch,
-                                     base_every_n_steps=base_every_n_steps)
-        self.storage_options = dict(storage_options or {})
+        merged = merge_options(options, legacy, every_n_steps=every_n_steps, write_batch=write_batch,
+                               base_every_n_steps=base_every_n_steps)
         prepared = prepared_model(accelerator, model)
         self.module: torch.nn.Module = accelerator.unwrap_model(prepared, keep_torch_compile=False)
         self._prepared = list(accelerator._optimizers)
@@ -100,31 +97,23 @@ class DiffCheckpointer:
         for opt in self.optimizers:  # on every process, before anything is written
             check_replayable(opt)
         self.compression = None if codec is None else GradientCompression(
-            accelerator, codec, prepared, self.options.codec_check_every)
-        self.engine = CheckpointEngine(self.url, self.options, self.storage_options)
-        self.step = 0  # optimizer steps attempted (synced ``step()`` calls, skipped ones included)
-        self.durable_step: int | None = None
+            accelerator, codec, prepared, merged.codec_check_every)
         self._loaders: dict[int, TrackedDataLoader] = {}
-        self._resume: dict[str, Any] | None = None  # this rank's RNG and loader positions to continue from
-        self._started = self._closed = False
         self._saving = False  # inside accelerator.save_state(), which counts the save after the hook
         for po in self._prepared:
             self._wrap_optimizer(po)
         for sched in accelerator._schedulers:
             self._wrap_scheduler(sched)
         self._save_state = SaveStateHooks(self)
-        self._sigterm = StopSignal()  # acted on at the next boundary: see _boundary
+        # ``step``: optimizer steps attempted (synced ``step()`` calls, skipped ones included);
+        # ``_resume``: this rank's RNG and loader positions to continue from.
+        super().__init__(url, merged, dict(storage_options or {}), log_every_n_steps)
 
     # ------------------------------------------------------------------ identity
     @property
     def compressor(self) -> Any:
         """The :class:`diffckpt.GradientCompressor` of compressed training (``codec=``), or ``None``."""
         return None if self.compression is None else self.compression.compressor
-
-    @property
-    def received_sigterm(self) -> bool:
-        """Whether this process got SIGTERM (it stops at the next boundary, with every rank)."""
-        return self._sigterm.received
 
     @property
     def epoch(self) -> int:
@@ -184,21 +173,6 @@ class DiffCheckpointer:
 
         sched.step = checkpointed_step
 
-    def _boundary(self) -> None:
-        """Everything the last step changed is in place: commit it (and stop if told to)."""
-        if self._closed:
-            return
-        if self.engine.agree(self._sigterm.received):  # every rank stops at the same step
-            self.close(reason="stopped by SIGTERM", timeout=self.options.flush_timeout_s)
-            self._sigterm.exit()
-        if not self._started:
-            self._start()
-        elif self.step > self.engine.recorded_step:
-            done = self.engine.commit(self.step, StepState(self))
-            if done.tuning and self.accelerator.trackers:
-                self.accelerator.log(done.tuning, step=self.step)
-        self.engine.check()
-
     def _start(self) -> None:
         """Start checkpointing at the current step: a session and its base (every rank calls this)."""
         acc = self.accelerator
@@ -208,7 +182,20 @@ class DiffCheckpointer:
                           meta={"framework": f"accelerate {accelerate.__version__}",
                                 "distributed_type": str(acc.distributed_type), "mixed_precision": acc.mixed_precision,
                                 "gradient_accumulation_steps": acc.gradient_accumulation_steps,
-                                "split_batches": acc.split_batches})
+                                "split_batches": acc.split_batches},
+                          resume_hint="call checkpointer.restore() before training")
+
+    def _state(self) -> StepState:
+        return StepState(self)
+
+    def _has_loggers(self) -> bool:
+        return bool(self.accelerator.trackers)
+
+    def _log(self, metrics: dict[str, float], step: int) -> None:
+        self.accelerator.log(metrics, step=step)
+
+    def _on_close(self) -> None:
+        self._save_state.remove()
 
     # ------------------------------------------------------------------ restore
     def restore(self, step: int | str | None = "last") -> int:
@@ -276,43 +263,3 @@ class DiffCheckpointer:
         result = self.engine.resume(self.module, self.optimizers, step, dirpath=url, compressor=self.compressor)
         assert result is not None  # an explicit step is restored or raises
         return self._restored(result, url)
-
-    # ---------------------------------------------------------------- shutdown
-    def close(self, reason: str = "end of training", timeout: float | None = None,
-              record: bool = True) -> int | None:
-        """Record the current step as a restorable one, flush and stop writing; return the
-        durable step. Every process must call it (recording gathers their state).
-
-        Args:
-            reason: said in the log line that reports how far durability got.
-            timeout: give up the flush after this many seconds (``None``: wait as
-                ``on_storage_error`` says); the log then says which steps were lost.
-            record: ``False`` flushes only what is already recorded (after an exception: the
-                step in progress may be half done, and other processes may not get here).
-        """
-        if self._closed:
-            return self.durable_step
-        try:
-            if record and self._started:
-                self.engine.make_restorable(self.step, StepState(self))
-        finally:
-            self._closed = True
-            self._save_state.remove()
-            self._sigterm.uninstall()
-            # Also when recording failed: what is queued still gets written.
-            self.durable_step = self.engine.end(reason, timeout)
-        return self.durable_step
-
-    def __enter__(self) -> DiffCheckpointer:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        if exc is None:
-            self.close()
-            return
-        try:
-            self.close(reason=f"interrupted by {type(exc).__name__}", timeout=self.options.flush_timeout_s,
-                       record=False)
-        except Exception:  # the original exception is what the user must see
-            log.exception("diffckpt: flushing after %s failed too", type(exc).__name__)

@@ -20,13 +20,14 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
 import xxhash
 
 from .errors import CorruptRecordError
-from .sharding import local
+
+if TYPE_CHECKING:  # torch only where tensors are hashed: `diffckpt ls` and `gc` read runs without it
+    import torch
 
 __all__ = [
     "CURRENT",
@@ -91,6 +92,9 @@ _PREFIXED = {a.prefix: a for a in (XXH3_128,)}
 def _tensor_parts(tensors: Iterable[torch.Tensor]) -> Iterable[Buffer]:
     """Each tensor's dtype and shape as text, then its raw CPU bytes, in order. A contiguous CPU
     tensor is hashed in place (a ``numpy`` view, no copy)."""
+    import torch
+
+    from .sharding import local
     for t in tensors:
         t = local(t).detach()
         if t.device.type != "cpu":

@@ -27,6 +27,7 @@ import dataclasses
 import logging
 import os
 import socket
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -36,6 +37,7 @@ import torch
 from .codecs.compressor import GradientCompressor
 from .collective import Collective
 from .errors import DiffCkptError, UnsupportedConfigurationError
+from .metrics import CheckpointMetrics
 from .options import CheckpointOptions
 from .resumption import Resuming
 from .shardedrun import ShardedRun
@@ -118,12 +120,14 @@ class CheckpointEngine(Resuming):
     # ------------------------------------------------------------------ training
     def begin(self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
               step: int, source: FrameworkState, *, meta: dict[str, Any] | None = None,
-              compressor: GradientCompressor | None = None) -> None:
+              compressor: GradientCompressor | None = None, resume_hint: str | None = None) -> None:
         """Start checkpointing training that continues from ``step`` (every rank calls).
 
         The writing process opens a session and writes its starting base: the state
         :meth:`resume` restored when ``step`` is the restored step, else ``source``'s. ``meta``
-        goes into the session record (framework, strategy...).
+        goes into the session record (framework, strategy...). Training that did not
+        :meth:`resume` from a run root holding durable steps gets a warning on rank 0 naming
+        them, with ``resume_hint`` (the framework's way to resume) as its advice.
         """
         if self._open:
             raise DiffCkptError("begin() called twice; end() the running session first")
@@ -136,6 +140,8 @@ class CheckpointEngine(Resuming):
         codec_states = self._gather_codec_states(compressor)
         self._compressor = compressor
         self._clock, self._open = _Clock(step, step, step), True
+        if restored is None and self.is_main_process:
+            self._warn_used_root(step, resume_hint)
         if not self._writes():
             self.join(step)
             return
@@ -226,6 +232,34 @@ class CheckpointEngine(Resuming):
                 log.warning("diffckpt: %s was not written: step %d %s", name, saved,
                             "never became durable" if started else "was never recorded (save while training)")
         return durable
+
+    def metrics(self) -> dict[str, float]:
+        """The open session's ``diffckpt/*`` metrics for loggers (:mod:`diffckpt.metrics`) on a
+        process that writes; empty on the others and outside a session."""
+        if self.writer is None or self._clock is None:
+            return {}
+        return CheckpointMetrics.of(self.writer, self._clock.recorded).as_dict()
+
+    def _warn_used_root(self, step: int, hint: str | None) -> None:
+        """Warn that a fresh session starts on a run root whose durable steps it does not continue:
+        ``"last"`` follows the new session from now on, and a job still writing there is fenced."""
+        inv = self.store.inventory()
+        newest = {g: s for g in inv.gens() if (s := inv.newest_step(g)) is not None}
+        try:  # sharded sessions keep their steps in rank streams, not at the root
+            sharded = ShardedRun(self.storage).resolve(None)
+        except DiffCkptError:  # none, or damaged: the warning names what it can read
+            sharded = None
+        if sharded is not None:
+            newest[sharded.gen] = max(sharded.step, newest.get(sharded.gen, sharded.step))
+        if not newest:
+            return
+        sessions = ", ".join(f"g{g} (newest durable step {s})" for g, s in sorted(newest.items()))
+        warnings.warn(
+            f"diffckpt: {self.storage.url} already holds a run: session{'s' if len(newest) > 1 else ''} "
+            f"{sessions}. This training starts a new session at step {step} without resuming it; "
+            "\"last\" will follow the new session, and a job still writing there stops (fenced). "
+            f"To continue the run instead, {hint or 'resume from it'}; to keep both, give this job "
+            "its own dirpath", UserWarning, stacklevel=2)
 
     # ---------------------------------------------------------- framework saves
     def when_restorable(self, step: int, fn: Callable[[], Any], *, name: str, wait: bool = False) -> None:

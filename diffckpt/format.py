@@ -17,7 +17,6 @@ import zstandard
 
 from .checksums import SHA256, XXH3_128, Algorithm, Buffer
 from .errors import CorruptRecordError
-from .tree import pack_parts, unpack_tree
 
 __all__ = [
     "CHECKSUMS",
@@ -135,6 +134,8 @@ def encode_segment_parts(header: dict[str, Any], records: list[Any], compression
     ``info`` (optional) receives the totals.
     """
     algorithm = CHECKSUMS[FORMAT_VERSION]
+    from .tree import pack_parts  # torch: `diffckpt ls` and `gc` read names and commits without it
+
     packed = [pack_parts(record) for record in records]
     compressor = zstandard.ZstdCompressor(level=level) if compression in ("zstd", "auto") else None
     if compression == "auto":
@@ -178,6 +179,7 @@ def decode_segment(data: bytes, name: str = "segment") -> tuple[dict[str, Any], 
     version this diffckpt does not read, raises :class:`CorruptRecordError`. Each format version
     is verified with its own hash algorithm (:data:`CHECKSUMS`).
     """
+    from .tree import unpack_tree  # torch, as in encode_segment_parts
     if len(data) < len(SEGMENT_MAGIC) + 4 or data[:8] != SEGMENT_MAGIC:
         raise CorruptRecordError(f"{name}: not a diffckpt segment (bad magic or truncated)")
     (hlen,) = struct.unpack_from("<I", data, 8)

@@ -14,7 +14,7 @@ import time
 import warnings
 from collections.abc import Generator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import CheckpointNotFoundError, ConcurrentWriterError, CorruptRecordError
 from .format import (
@@ -28,7 +28,9 @@ from .format import (
 from .inventory import Inventory
 from .prefetch import Fetched, Prefetcher, Preparer, ReadyAhead
 from .storage import Storage
-from .tree import BlockPool, borrowing, unpack_tree
+
+if TYPE_CHECKING:  # tree imports torch, which `diffckpt ls` and `gc` do without: imported where records are read
+    from .tree import BlockPool
 
 __all__ = ["PREFETCH_BYTES", "PREFETCH_READY_BYTES", "PREFETCH_SEGMENTS", "RUN_FILE", "ReadStats",
            "RestorePlan", "RunStore", "session_path", "tuning_path"]
@@ -321,6 +323,8 @@ class RunStore:
             raise CorruptRecordError(
                 f"{base.state_path} fails its checksum (size {len(data)}, expected {expected['size']}); "
                 "the base is damaged. Restore an earlier step or verify the storage")
+        from .tree import unpack_tree
+
         return info, unpack_tree(data)
 
     def read_records(self, plan: RestorePlan, *, prefetch: int | None = None,
@@ -375,6 +379,8 @@ class RunStore:
                  ) -> Generator[tuple[dict[str, Any] | None, str | None], None, None]:
         """:meth:`read_records` before preparation; ``count_wait``: add the time spent waiting
         for segments to ``stats.wait_s`` (not when this runs on a thread of its own)."""
+        from .tree import BlockPool
+
         expected_after = plan.base.step
         blocks = BlockPool()
         ahead = Prefetcher(lambda seg: self._fetch(seg, blocks), plan.through_target(), plan.sizes,
@@ -420,6 +426,8 @@ class RunStore:
         """Read and decode one segment (on a prefetch thread, or the caller's); its tensors are
         views of the bytes read where 64-byte aligned, else copies into ``blocks``
         (``tree.borrowing``)."""
+        from .tree import borrowing
+
         data = self.storage.read(seg.path)
         with borrowing(blocks):
             header, records, problem = decode_segment(data, seg.path)

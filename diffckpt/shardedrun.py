@@ -21,9 +21,7 @@ import json
 import logging
 import warnings
 from dataclasses import dataclass
-from typing import Any, cast
-
-import torch
+from typing import TYPE_CHECKING, Any, cast
 
 from .errors import (
     CheckpointNotFoundError,
@@ -32,11 +30,14 @@ from .errors import (
     IncompatibleCheckpointError,
 )
 from .inventory import Inventory
-from .loading import replay_plan
+from .rankstreams import RANKS_DIR, rank_prefix
 from .runstore import RunStore, session_path
-from .sharding import RANKS_DIR, assemble, local, piece, rank_prefix, sharded_like
 from .storage import Storage
 from .storage.prefixed import substorage
+
+if TYPE_CHECKING:  # torch and the modules that use it are imported where tensors are handled:
+    import torch  # reading a run's layout (`diffckpt ls`, `gc`) does without them
+
 
 __all__ = ["Resolution", "ShardedRun", "load_into_live", "modules_of", "rank_streams"]
 
@@ -147,6 +148,8 @@ class ShardedRun:
 
         Returns what :func:`diffckpt.load_state` returns, for this rank's pieces.
         """
+        from .loading import replay_plan
+
         store = self.stream(rank)
         where = f"rank {rank} ({rank_prefix(rank)})"
         problems = []
@@ -190,6 +193,10 @@ class ShardedRun:
 
         The pieces are consumed one tensor at a time (each is dropped once its full tensor is
         built), so memory holds about one copy of the state, plus one tensor, not two."""
+        import torch
+
+        from .sharding import assemble
+
         metas = [self.stream(r).session_meta(res.gen) for r in range(res.world_size)]
         tables = [m.get("shards") or {} for m in metas]
         names = [n for n, _ in metas[0]["parameters"]]
@@ -247,6 +254,10 @@ def load_into_live(module: torch.nn.Module, optimizers: list[torch.optim.Optimiz
     Raises:
         IncompatibleCheckpointError: another model or optimizer; nothing is loaded then.
     """
+    import torch
+
+    from .sharding import local, piece, sharded_like
+
     params = dict(module.named_parameters())
     own = module.state_dict()
     problems = [f"{k!r} is in the checkpoint, not in this model" for k in state["model"] if k not in own][:3]

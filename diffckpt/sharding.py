@@ -16,6 +16,7 @@ from typing import Any, cast
 import torch
 
 from .errors import UnsupportedConfigurationError
+from .rankstreams import rank_prefix  # re-exported: they were defined here
 
 __all__ = [
     "ELEMENTWISE",
@@ -37,13 +38,6 @@ try:  # torch.distributed may be built without DTensor (some minimal builds)
     from torch.distributed.tensor import DTensor, Shard
 except ImportError:  # pragma: no cover - every supported torch build on CPU has it
     DTensor = Shard = None  # type: ignore[assignment,misc]
-
-RANKS_DIR = "ranks"
-
-
-def rank_prefix(rank: int) -> str:
-    """Where rank ``rank`` of a sharded session writes its stream, under the run root."""
-    return f"{RANKS_DIR}/r{rank:05d}/"
 
 
 def _is_dtensor(t: Any) -> bool:

@@ -15,7 +15,7 @@ import re
 __all__ = [
     "DAY", "GiB", "KiB", "MiB", "TiB",
     "format_bytes", "format_count", "format_duration", "format_percent", "format_rate",
-    "parse_count", "parse_duration", "parse_fraction", "parse_positive", "parse_size",
+    "parse_age", "parse_count", "parse_duration", "parse_fraction", "parse_positive", "parse_size",
 ]
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
@@ -62,6 +62,11 @@ def parse_duration(text: str) -> float:
     if not math.isfinite(seconds) or seconds <= 0:
         raise argparse.ArgumentTypeError(f"the duration must be positive, got {text!r}")
     return seconds
+
+
+def parse_age(text: str) -> float:
+    """A duration that may be zero (``0``, ``0s``): how old something must be before it goes."""
+    return 0.0 if text.strip().lower().rstrip("smhd") in ("0", "0.0") else parse_duration(text)
 
 
 def parse_size(text: str) -> int:

@@ -103,6 +103,12 @@ class BackgroundWriter:
         self._thread = threading.Thread(target=self._run, name=f"diffckpt-writer-g{gen}", daemon=True)
         self._thread.start()
 
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes handed over and not durable yet (queued, or pending in an open segment): what
+        counts against ``max_pending_bytes``."""
+        return self._queued_bytes
+
     # ------------------------------------------------------------ training side
     def put_record(self, record: dict[str, Any], nbytes: int, leases: list[Lease] | None = None,
                    ready: Any = None) -> None:

@@ -36,9 +36,11 @@ class DiffCheckpointIO(CheckpointIO):
     def _require(self, what: str) -> Any:
         if self._callback is None:
             raise DiffCkptError(
-                f"DiffCheckpointIO cannot {what} without a DiffCheckpoint callback: add "
-                "DiffCheckpoint(dirpath=...) to Trainer(callbacks=[...]), or export a plain "
-                "checkpoint with `diffckpt export`")
+                f"DiffCheckpointIO cannot {what} without a DiffCheckpoint callback: in a Trainer, add "
+                "DiffCheckpoint(dirpath=...) to Trainer(callbacks=[...]); Fabric runs no callbacks, so "
+                "with Fabric remove DiffCheckpointIO from Fabric(plugins=...) and use "
+                "lightning_ckpt.FabricCheckpointer (docs/fabric.md); or export a plain checkpoint with "
+                "`diffckpt export`")
         return self._callback
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:

@@ -6,10 +6,13 @@ base plus diffs. Resolving a ``ckpt_path`` into ``(run url, step)`` also lives h
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import pickle
 import posixpath
 import re
+import shlex
 import shutil
 import tempfile
 from typing import Any
@@ -17,11 +20,38 @@ from typing import Any
 from diffckpt.runstore import RUN_FILE
 from diffckpt.storage import FsspecStorage, open_storage
 
-__all__ = ["drop_last_candidate", "is_reference", "last_candidate", "resolve_target", "write_reference"]
+__all__ = ["drop_last_candidate", "is_reference", "last_candidate", "read_reference", "resolve_target",
+           "write_reference"]
 
 REF_FORMAT = "diffckpt-ref"
 _STEP_RE = re.compile(r"^step=(\d+)$")
 _MAX_REF = 4096
+
+# A reference sits where tools expect a torch checkpoint (LightningModule.load_from_checkpoint,
+# torch.load). A pure JSON body made them fail with an UnpicklingError advising
+# weights_only=False, wrong for a file from elsewhere. torch.load reads a file that is not a zip
+# archive in its legacy layout: a pickled magic number, then a pickled protocol version, printed
+# when it is not torch's own ("Invalid protocol version: ..."), before anything else is unpickled.
+# A reference therefore starts with the magic number and a sentence saying what the file is and
+# the command that makes a checkpoint of it; the JSON body follows. Version 1 (JSON only) is read.
+_TORCH_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+_PREAMBLE = pickle.dumps(_TORCH_LEGACY_MAGIC, protocol=2)
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Reads the preamble's int and str; refuses anything that would import or build objects."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"not a diffckpt reference: it pickles {module}.{name}")
+
+
+def _explanation(name: str, url: str, step: int | None) -> str:
+    what = "the newest durable step" if step is None else f"step {step}"
+    command = ["diffckpt", "export", url, *([] if step is None else ["--step", str(step)]),
+               "-o", f"exported-{name}"]
+    return (f"{name} is a diffckpt reference to {what} of the run {url}, not a checkpoint file. A Trainer "
+            "with plugins=[DiffCheckpointIO()] reads it; for load_from_checkpoint or torch.load, write "
+            f"a checkpoint of it with `{shlex.join(command)}`")
 
 
 def _split(path: str) -> tuple[str, str]:
@@ -35,8 +65,23 @@ def _split(path: str) -> tuple[str, str]:
 def write_reference(path: str, url: str, step: int | None, storage_options: dict[str, Any]) -> None:
     """Write a reference to ``step`` of the run at ``url`` (``None``: its newest durable step)."""
     directory, name = _split(os.fspath(path))
-    body = {"format": REF_FORMAT, "version": 1, "run": url, "step": step}
-    open_storage(directory, **storage_options).write(name, json.dumps(body, indent=1).encode())  # retried
+    body = {"format": REF_FORMAT, "version": 2, "run": url, "step": step}
+    data = _PREAMBLE + pickle.dumps(_explanation(name, url, step), protocol=2) + json.dumps(body, indent=1).encode()
+    open_storage(directory, **storage_options).write(name, data)  # retried
+
+
+def _body(data: bytes) -> bytes | None:
+    """The JSON part of a reference's bytes (after the preamble in version 2), or None."""
+    if data.startswith(_PREAMBLE):
+        stream = io.BytesIO(data)
+        try:
+            unpickler = _PlainUnpickler(stream)
+            if unpickler.load() != _TORCH_LEGACY_MAGIC or not isinstance(unpickler.load(), str):
+                return None
+        except Exception:
+            return None
+        data = data[stream.tell():]
+    return data if data.lstrip().startswith(b"{") else None
 
 
 def _read_reference(path: str, storage_options: dict[str, Any]) -> dict[str, Any] | None:
@@ -51,17 +96,23 @@ def _read_reference(path: str, storage_options: dict[str, Any]) -> dict[str, Any
         data = storage.read(name)
     except Exception:
         return None
-    if len(data) > _MAX_REF or not data.lstrip().startswith(b"{"):
+    if len(data) > _MAX_REF or (text := _body(data)) is None:
         return None
     try:
-        body = json.loads(data)
+        body = json.loads(text)
     except (ValueError, RecursionError):
         return None
     return body if isinstance(body, dict) and body.get("format") == REF_FORMAT else None
 
 
 def is_reference(path: str, storage_options: dict[str, Any] | None = None) -> bool:
-    return _read_reference(os.fspath(path), storage_options or {}) is not None
+    return read_reference(path, storage_options) is not None
+
+
+def read_reference(path: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """The body of the reference at ``path`` (``format``, ``version``, ``run``, ``step``), or
+    ``None`` if the file is not one."""
+    return _read_reference(os.fspath(path), storage_options or {})
 
 
 def resolve_target(path: str, storage_options: dict[str, Any] | None = None) -> tuple[str, int | None] | None:

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -112,6 +113,23 @@ def torchrun(port: int, processes: int = 2) -> list[str]:
 def load_ranks(out: Any, ranks: int) -> list[dict[str, Any]]:
     """What each rank of a training script saved: rank 0 to ``out``, rank r to ``out.rank<r>``."""
     return [torch.load(out if r == 0 else f"{out}.rank{r}", weights_only=False) for r in range(ranks)]
+
+
+def reference_states(tmp_path_factory: Any, run: Callable[[str, Any], str],
+                     ranks: Callable[[str], int]) -> Callable[[str], list[dict[str, Any]]]:
+    """For a module-scoped ``reference`` fixture: per configuration, the final state of every
+    rank of the uninterrupted loop that never imported diffckpt, trained once and cached.
+    ``run(config, out)`` trains it (saving to ``out``) and returns its log."""
+    cache: dict[str, list[dict[str, Any]]] = {}
+
+    def get(config: str) -> list[dict[str, Any]]:
+        if config not in cache:
+            out = tmp_path_factory.mktemp("ref") / "final.pt"
+            log = run(config, out)
+            assert "diffckpt" not in log
+            cache[config] = load_ranks(out, ranks(config))
+        return cache[config]
+    return get
 
 
 def assert_bitwise_equal(a: Any, b: Any, path: str = "$") -> None:

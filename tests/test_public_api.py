@@ -26,7 +26,8 @@ def test_codecs_public_api():
 
 
 def test_lightning_public_api():
-    assert sorted(lightning_ckpt.__all__) == ["DiffCheckpoint", "DiffCheckpointIO"]
+    assert sorted(lightning_ckpt.__all__) == ["DiffCheckpoint", "DiffCheckpointIO", "FabricCheckpointer"]
+    assert all(hasattr(lightning_ckpt, name) for name in lightning_ckpt.__all__)
 
 
 def test_accelerate_public_api():

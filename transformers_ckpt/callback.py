@@ -227,7 +227,18 @@ class DiffCheckpointCallback(TrainerCallback):
             trainer = frame.f_locals["self"]
             check_supported(trainer, self.url)
             self.trainer = trainer
+            trainer.log = self._with_metrics(trainer.log)
         return self.trainer
+
+    def _with_metrics(self, log: Any) -> Any:
+        """``Trainer.log`` adding the core's ``diffckpt/*`` metrics to each training log (every
+        ``logging_steps``): callbacks run after the reporting integrations, so only the logs
+        themselves reach every tracker and ``log_history``."""
+        def log_with_metrics(logs: dict[str, float], *args: Any, **kwargs: Any) -> Any:
+            if "loss" in logs and self._started and not self._closed:  # not evaluation, not the summary
+                logs = {**logs, **self.engine.metrics()}  # empty where this process does not write
+            return log(logs, *args, **kwargs)
+        return log_with_metrics
 
     def _require_trainer(self) -> None:
         if self.trainer is None:
@@ -277,7 +288,8 @@ class DiffCheckpointCallback(TrainerCallback):
                               meta={"framework": f"transformers {transformers.__version__}",
                                     "world_size": trainer.args.world_size,
                                     "gradient_accumulation_steps": trainer.args.gradient_accumulation_steps,
-                                    "output_dir": os.path.basename(os.path.abspath(trainer.args.output_dir))})
+                                    "output_dir": os.path.basename(os.path.abspath(trainer.args.output_dir))},
+                              resume_hint="pass resume_from_checkpoint=True to trainer.train")
         elif self._step > self.engine.recorded_step:
             self.engine.commit(self._step, StepState(self, at))
         self.engine.check()

@@ -18,31 +18,41 @@ not exist. What the commands share is in :mod:`.common`.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
 from collections.abc import Sequence
 
+from .. import __version__
 from ..errors import CheckpointNotFoundError, DiffCkptError, UnsupportedConfigurationError
-from ..replay import replay_progress
-from . import compact, export, gc, ls, tune, verify
-from .common import bar
+from ..units import parse_duration
 
 __all__ = ["main"]
 
+# Each command's module is imported only when that command runs (or its --help is asked for):
+# ``diffckpt --help``, ``ls`` and ``gc`` then start without importing torch. Name: (help, the
+# shared argument groups it takes).
+_COMMANDS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "ls": ("list sessions, bases and segments", ("common", "json")),
+    "verify": ("check every checksum and replay a step with its fingerprints", ("common", "replaying", "json")),
+    "export": ("write a step as a checkpoint", ("common", "replaying", "json")),
+    "gc": ("delete what a retention policy no longer keeps (dry run unless --apply)", ("common", "json")),
+    "compact": ("roll a base forward from stored diffs (no training process needed)", ("common", "json")),
+    # tune probes a location that need not hold a run yet: its own URL, storage and retry options.
+    "tune": ("probe storage and recommend every_n_steps, write_batch, base_every_n_steps", ()),
+}
+_REPLAYING = ("verify", "export", "compact")  # the commands that replay steps: a progress bar for it
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="diffckpt", description="Inspect, verify and export diffckpt runs; plan their settings.",
-        epilog="exit codes: 0 ok, 1 damage or failed operation, 2 usage error, no such run/step")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+def _groups() -> dict[str, argparse.ArgumentParser]:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("url", metavar="URL",
                         help="run root (local path or fsspec URL); <URL>/step=N names a step")
     common.add_argument("-O", "--storage-option", action="append", default=[], metavar="KEY=VALUE",
                         help="fsspec storage option (repeatable; VALUE may be JSON)")
-    common.add_argument("--retry-budget", type=float, default=60.0, metavar="SECONDS",
-                        help="how long transient storage failures are retried (default 60)")
+    common.add_argument("--retry-budget", type=parse_duration, default=60.0, metavar="DURATION",
+                        help="how long transient storage failures are retried (e.g. 10s, 2m; default 60s)")
     replaying = argparse.ArgumentParser(add_help=False)
     replaying.add_argument("--step", type=int, help="step to rebuild (default: newest durable)")
     replaying.add_argument("--allow-module", action="append", default=["torch."], metavar="MODULE",
@@ -52,29 +62,30 @@ def _parser() -> argparse.ArgumentParser:
                                 "for a bit-exact result")
     as_json = argparse.ArgumentParser(add_help=False)
     as_json.add_argument("--json", action="store_true", help="print JSON for scripts")
+    return {"common": common, "replaying": replaying, "json": as_json}
 
-    p = sub.add_parser("ls", parents=[common, as_json], help="list sessions, bases and segments")
-    p.set_defaults(func=ls.run)
-    p = sub.add_parser("verify", parents=[common, replaying, as_json],
-                       help="check every checksum and replay a step with its fingerprints")
-    verify.add_arguments(p)
-    p.set_defaults(func=verify.run)
-    p = sub.add_parser("export", parents=[common, replaying, as_json], help="write a step as a checkpoint")
-    export.add_arguments(p)
-    p.set_defaults(func=export.run)
-    p = sub.add_parser("gc", parents=[common, as_json],
-                       help="delete what a retention policy no longer keeps (dry run unless --apply)")
-    gc.add_arguments(p)
-    p.set_defaults(func=gc.run)
-    p = sub.add_parser("compact", parents=[common, as_json],
-                       help="roll a base forward from stored diffs (no training process needed)")
-    compact.add_arguments(p)
-    p.set_defaults(func=compact.run)
-    # tune probes a location that need not hold a run yet: its own URL, storage and retry options.
-    p = sub.add_parser("tune", help="probe storage and recommend every_n_steps, write_batch, base_every_n_steps")
-    tune.add_arguments(p)
-    p.set_defaults(func=tune.run)
+
+def _parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The command line; only ``command``'s module is imported for its own arguments."""
+    parser = argparse.ArgumentParser(
+        prog="diffckpt", description="Inspect, verify and export diffckpt runs; plan their settings.",
+        epilog="exit codes: 0 ok, 1 damage or failed operation, 2 usage error, no such run/step")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    groups = _groups()
+    for name, (text, parents) in _COMMANDS.items():
+        p = sub.add_parser(name, parents=[groups[g] for g in parents], help=text, description=text)
+        if name == command:
+            module = importlib.import_module(f".{name}", __name__)
+            if hasattr(module, "add_arguments"):
+                module.add_arguments(p)
+            p.set_defaults(func=module.run)
     return parser
+
+
+def _command(argv: Sequence[str]) -> str | None:
+    # The top level takes no option with a value: the first word that is not an option is the command.
+    return next((a for a in argv if not a.startswith("-")), None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -87,12 +98,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         0 on success, 1 when damage is found or an operation fails, 2 on usage errors and when
         the run or step does not exist.
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        args = _parser().parse_args(argv)
+        args = _parser(_command(argv)).parse_args(argv)
     except SystemExit as exc:  # argparse exits; in-process callers want a return code
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
     try:
-        with replay_progress(lambda done, total: bar(done, total, "replaying", unit="steps")):
+        if args.command not in _REPLAYING:
+            return int(args.func(args))
+        from ..replay import replay_progress  # imports torch, which these commands need anyway
+        from .common import Progress
+
+        with Progress("replaying", unit="step") as bar, replay_progress(bar.update_to):
             return int(args.func(args))
     except (CheckpointNotFoundError, UnsupportedConfigurationError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -8,21 +8,21 @@ import json
 import os
 import re
 import sys
-import time
 import warnings
 from datetime import datetime, timezone
 from typing import Any
+
+from tqdm import tqdm
 
 from ..errors import CheckpointNotFoundError, UnsupportedConfigurationError
 from ..inventory import Inventory
 from ..runstore import RUN_FILE, RunStore
 from ..storage import RetryPolicy, open_storage
 
-__all__ = ["bar", "open_run", "progress", "reemit", "split_target", "storage_options", "table", "throughput",
+__all__ = ["Progress", "open_run", "progress", "reemit", "split_target", "storage_options", "table", "throughput",
            "when"]
 
 _STEP_RE = re.compile(r"^(.*)/step=(\d+)$")
-_BAR = {"started": 0.0}
 
 
 def progress(text: str = "") -> None:
@@ -33,24 +33,47 @@ def progress(text: str = "") -> None:
         sys.stderr.flush()
 
 
-def bar(done: int, total: int, label: str, detail: str = "", unit: str = "") -> None:
-    """A progress bar with the rate so far: ``replaying [#####     ] 512/1000 (340 steps/s) ...``."""
-    if not sys.stderr.isatty():
-        return
-    now = time.monotonic()
-    if done == 0 or not _BAR["started"]:
-        _BAR["started"] = now
-    width = 24
-    filled = width * done // total if total else width
-    elapsed = now - _BAR["started"]
-    rate = f" ({done / elapsed:.0f}{' ' + unit if unit else ''}/s)" if elapsed > 0.2 and done else ""
-    progress(f"{label} [{'#' * filled}{' ' * (width - filled)}] {done}/{total}{rate} {detail}")
+class Progress:
+    """A progress bar with rate and ETA on stderr (tqdm), shown only when stderr is a terminal:
+    redirected output and ``--json`` stay clean. A count that starts again at 0 starts a new bar
+    (``verify`` replays from each base in turn)."""
+
+    def __init__(self, label: str, unit: str = "it") -> None:
+        self.label, self.unit = label, unit
+        self._bar: tqdm[Any] | None = None
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def update_to(self, done: int, total: int, detail: str = "") -> None:
+        """``done`` of ``total`` finished; ``detail`` (a path) shown after the bar."""
+        if not sys.stderr.isatty():
+            return
+        if self._bar is None or done < self._bar.n:
+            self.close()
+            progress()  # clear a status line left by progress()
+            self._bar = tqdm(total=total, desc=self.label, unit=self.unit, file=sys.stderr, leave=False,
+                             dynamic_ncols=True)
+        self._bar.total = total
+        self._bar.n = done
+        if detail:
+            self._bar.set_postfix_str(detail[-60:], refresh=False)
+        self._bar.refresh()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
 
 def throughput(steps: int, seconds: float) -> str:
-    """``replay: 24 steps in 0.01 s (1700 steps/s)`` for the text output of replaying commands."""
+    """``replay: 24 steps in 0.01 s (1700 steps/s)`` for the text output of replaying commands;
+    ``""`` when nothing was replayed (the step is a base, which the command's own line says)."""
     if not steps:
-        return "replay: none needed (the step is a base)"
+        return ""
     rate = f" ({steps / seconds:.0f} steps/s)" if seconds > 0 else ""
     return f"replay: {steps} step{'s' * (steps != 1)} in {seconds:.2f} s{rate}"
 

@@ -51,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
     ranks = f", full tensors from {res.world_size} rank streams" if res is not None else ""
     files = f"{len(done['files'])} files, " if "files" in done else ""  # a folder (hf-trainer)
     print(f"wrote {args.output}: step {done['step']} ({done['format']}, {files}{format_bytes(done['bytes'])}, "
-          f"{done['bytes']} B; base {done['base_step']} + {done['replayed']} replayed steps{ranks})")
-    print(throughput(done["replayed"], done["replay_s"]))
+          f"{done['bytes']} B; " + (f"base {done['base_step']} + {done['replayed']} replayed steps"
+                                     if done["replayed"] else "a base, no replay") + f"{ranks})")
+    if done["replayed"]:
+        print(throughput(done["replayed"], done["replay_s"]))
     return 0

@@ -8,8 +8,8 @@ import json
 from typing import Any
 
 from ..lifecycle.retention import GcPlan, RetentionPolicy, apply_gc, plan_gc, recorded_policy
-from ..units import format_bytes, parse_duration, parse_positive
-from .common import bar, open_run, progress, table
+from ..units import format_bytes, parse_age, parse_duration, parse_positive
+from .common import Progress, open_run, table
 
 __all__ = ["add_arguments", "run"]
 
@@ -22,14 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep one restorable step per K steps (a base in the window if any)")
     p.add_argument("--keep-newer-than", type=parse_duration, metavar="AGE",
                    help="keep everything written within AGE (e.g. 12h, 7d)")
-    p.add_argument("--min-age", type=_age, default=3600.0, metavar="AGE",
+    p.add_argument("--min-age", type=parse_age, default=3600.0, metavar="AGE",
                    help="remove leftovers of interrupted writes once this old (default 1h)")
     p.add_argument("--apply", action="store_true", help="delete (default: dry run, only show what would go)")
-
-
-def _age(text: str) -> float:
-    """A duration that may be zero (remove every leftover now, when no writer is at work)."""
-    return 0.0 if text.strip().rstrip("smhd") in ("0", "0.0") else parse_duration(text)
 
 
 def _policy(args: argparse.Namespace, store: Any) -> tuple[RetentionPolicy, str]:
@@ -81,9 +76,9 @@ def run(args: argparse.Namespace) -> int:
     policy, source = _policy(args, store)
     plan = plan_gc(store, policy)
     if args.apply and plan.objects:
-        apply_gc(store, plan, lambda i, n, path: bar(i, n, "deleting", path))
+        with Progress("deleting", unit="file") as bar:
+            apply_gc(store, plan, bar.update_to)
         plan.applied = True
-        progress()
     if args.json:
         print(json.dumps({**plan.to_json(), "policy": _describe_policy(policy)}, indent=2))
     else:

@@ -7,12 +7,11 @@ import argparse
 import json
 from typing import Any
 
-from ..codecs import codec_from_config
 from ..errors import DiffCkptError
 from ..format import BaseName, decode_commit
 from ..inventory import Inventory
 from ..runstore import RunStore
-from ..units import format_bytes
+from ..units import format_bytes, format_duration
 from .common import open_run, table, when
 from .sharded import describe_streams, open_sharded, render_streams
 
@@ -25,6 +24,17 @@ def _flat(options: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
     for key, value in sorted(options.items()):
         out += _flat(value, f"{prefix}{key}.") if isinstance(value, dict) else [(f"{prefix}{key}", value)]
     return out
+
+
+def _human(key: str, value: Any) -> str:
+    """A setting as people read it: ``max_pending_bytes=256 MiB``, ``retry.budget_s=60 s`` (``--json``
+    keeps the raw numbers)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if key.endswith("_bytes"):
+            return format_bytes(value).replace(".0 ", " ")
+        if key.endswith("_s"):
+            return format_duration(value) if value > 0 else "0 s"
+    return str(value)
 
 
 def _shown(key: str, value: Any, options: dict[str, Any]) -> bool:
@@ -47,6 +57,9 @@ def _compacted(store: RunStore, base: BaseName) -> dict[str, Any] | None:
 
 
 def _codec_name(config: dict[str, Any]) -> str:
+    # Imported here: codecs need torch, which listing a run without a codec does without.
+    from ..codecs import codec_from_config
+
     try:
         return codec_from_config(config).name
     except (ValueError, TypeError, KeyError):
@@ -131,7 +144,7 @@ def render(d: dict[str, Any]) -> str:
          str(s["newest_step"] if s["newest_step"] is not None else "-"), s["ckpt_path"] or "-"]
         for s in d["sessions"]])
     lines += streams["sessions"] if streams else []
-    lines += [f"  g{s['gen']} settings: " + " ".join(f"{k}={v}" for k, v in _flat(s["options"])
+    lines += [f"  g{s['gen']} settings: " + " ".join(f"{k}={_human(k, v).replace(' ', '')}" for k, v in _flat(s["options"])
                                                  if _shown(k, v, s["options"]))
               + (f" codec={_codec_name(s['codec'])}" if s["codec"] else "")
               for s in d["sessions"] if s["options"]]

@@ -16,9 +16,9 @@ from typing import Any
 
 from ..errors import DiffCkptError
 from ..inventory import Inventory
+from ..rankstreams import RANKS_DIR, rank_prefix
 from ..runstore import RunStore
 from ..shardedrun import ShardedRun
-from ..sharding import RANKS_DIR, rank_prefix
 from ..units import format_bytes
 from .common import table
 

@@ -19,7 +19,7 @@ from ..inventory import Inventory
 from ..loading import load_state, replay_plan
 from ..runstore import RestorePlan, RunStore, session_path
 from ..storage import Storage
-from .common import open_run, progress, reemit, table, throughput
+from .common import Progress, open_run, progress, reemit, table, throughput
 from .sharded import Sharded, Stream, open_sharded, sharded_notes
 
 __all__ = ["add_arguments", "run"]
@@ -149,8 +149,9 @@ def _check_objects(store: RunStore, inv: Inventory, bad: Bad, label: str = "") -
     committed = {b.dir for b in inv.bases}
     stray = sorted({p.rsplit("/", 1)[0] for p in inv.sizes if p.startswith("bases/")} - committed)
     total = len(inv.bases) + len(inv.segments)
+    bar = Progress(f"{label}checksums", unit="file")
     for i, base in enumerate(inv.bases):
-        progress(f"{label}[{i + 1}/{total}] {base.dir}")
+        bar.update_to(i, total, base.dir)
         try:
             store.load_base(base)
         except DiffCkptError as exc:
@@ -158,11 +159,12 @@ def _check_objects(store: RunStore, inv: Inventory, bad: Bad, label: str = "") -
             unusable.add(base)
     records = 0
     for i, seg in enumerate(inv.segments):
-        progress(f"{label}[{len(inv.bases) + i + 1}/{total}] {seg.path}")
+        bar.update_to(len(inv.bases) + i, total, seg.path)
         count, problem = _check_segment(store.storage, seg)
         records += count
         if problem is not None:
             bad(seg.path, problem)
+    bar.close()
     return records, unusable, stray
 
 
@@ -297,9 +299,12 @@ def run(args: argparse.Namespace) -> int:
     if "step" in replay:
         on = (f" on each of the {replay['world_size']} ranks, reassembled into full tensors"
               if replay.get("world_size") else "")
-        print(f"replayed step {replay['step']} from base {replay['base_step']} "
-              f"({replay['replayed']} steps){on} with the fingerprints recorded in training checked")
-        print(throughput(replay["replayed"], replay["replay_s"]))
+        if replay["replayed"]:
+            print(f"replayed step {replay['step']} from base {replay['base_step']} "
+                  f"({replay['replayed']} steps){on} with the fingerprints recorded in training checked")
+            print(throughput(replay["replayed"], replay["replay_s"]))
+        else:  # said once: the step is a base, loaded as written
+            print(f"step {replay['step']} is a base: loaded{on} without replay, its checksums checked")
     if deep is not None:
         where = f" of {len(streams)} rank streams" if streams else ""
         print(f"deep: replayed {deep['replayed_steps']} steps across {deep['chains']} chains{where}; " + (

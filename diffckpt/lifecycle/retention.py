@@ -25,9 +25,9 @@ from ..deprecation import renamed_kwargs
 from ..errors import CorruptRecordError, DiffCkptError
 from ..format import BaseName, SegmentName
 from ..inventory import Inventory
+from ..rankstreams import RANKS_DIR
 from ..runstore import RunStore, session_path
 from ..shardedrun import ShardedRun, rank_streams
-from ..sharding import RANKS_DIR
 from ..storage import Storage, open_storage
 from ..storage.prefixed import substorage
 from .leftovers import Leftover, details_of, hidden, leftovers

@@ -21,6 +21,7 @@ from helpers import (
     ROOT,
     assert_bitwise_equal,
     load_ranks,
+    reference_states,
     run_script,
     run_training,
     script_env,
@@ -73,16 +74,7 @@ def _run(config: str, out: Path, extra: list[str] = (), **kw) -> str:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """Final state of every rank of the uninterrupted loop without diffckpt, per configuration."""
-    cache: dict[str, list[dict]] = {}
-
-    def get(config: str) -> list[dict]:
-        if config not in cache:
-            out = tmp_path_factory.mktemp("ref") / "final.pt"
-            log = _run(config, out)
-            assert "diffckpt" not in log
-            cache[config] = load_ranks(out, CONFIGS[config][1])
-        return cache[config]
-    return get
+    return reference_states(tmp_path_factory, _run, lambda config: CONFIGS[config][1])
 
 
 def _resumed_from(log: str) -> int:

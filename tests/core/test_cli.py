@@ -85,7 +85,7 @@ newest durable step 13 (g1): ckpt_path="<TMP>/run" (or "last" with DiffCheckpoin
 sessions
   gen  started                  resumed_from  durable  newest  ckpt_path
   g1   2023-11-14 22:13:20 UTC  0             0..13    13      <TMP>/run/step=13
-  g1 settings: base_every_n_steps=5 compression=none compression_level=1 copy_gradients=False every_n_steps=1 fingerprint_every_n_steps=2 flush_timeout_s=30.0 max_pending_bytes=268435456 on_storage_error=block retry.budget_s=60.0 retry.initial_backoff_s=0.2 retry.max_backoff_s=10.0 write_batch=3
+  g1 settings: base_every_n_steps=5 compression=none compression_level=1 copy_gradients=False every_n_steps=1 fingerprint_every_n_steps=2 flush_timeout_s=30s max_pending_bytes=256MiB on_storage_error=block retry.budget_s=60s retry.initial_backoff_s=200ms retry.max_backoff_s=10s write_batch=3
 
 bases
   step  gen  size     path

@@ -3,7 +3,6 @@ fsspec URLs, refusals and mismatches."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -22,6 +21,7 @@ import diffckpt
 from diffckpt.errors import IncompatibleCheckpointError, UnsupportedConfigurationError
 from diffckpt.runstore import RunStore
 from lightning_ckpt import DiffCheckpoint, DiffCheckpointIO
+from lightning_ckpt.references import read_reference
 
 
 def test_model_checkpoint_saves_become_references_and_resume_exactly(tmp_path, reference):  # noqa: F811
@@ -31,7 +31,7 @@ def test_model_checkpoint_saves_become_references_and_resume_exactly(tmp_path, r
     assert rc == 0, log[-3000:]
     files = sorted(p.name for p in mc.iterdir())
     assert "last.ckpt" in files and len(files) == 3, files  # save_top_k=2 removed the others
-    refs = {name: json.loads((mc / name).read_text()) for name in files}
+    refs = {name: read_reference(str(mc / name)) for name in files}
     assert all(r["format"] == "diffckpt-ref" and r["run"] == str(run) for r in refs.values())
     assert refs["last.ckpt"]["step"] % 5 == 0 and refs["last.ckpt"]["step"] >= 25
     # Removal deleted references only: every step of the run is still restorable.
@@ -56,7 +56,7 @@ def test_references_at_epoch_ends_resume_exactly_in_either_callback_order(order,
     rc, log = run_script(SCRIPT, ["adamw", str(tmp_path / "out.pt"), "--dirpath", str(run), "--model-checkpoint",
                                   str(mc), "--mc-every", "6", *extra])  # 6 steps per epoch
     assert rc == 0, log[-3000:]
-    refs = {p.name: json.loads(p.read_text()) for p in mc.iterdir()}
+    refs = {p.name: read_reference(str(p)) for p in mc.iterdir()}
     steps = sorted(r["step"] for n, r in refs.items() if n != "last.ckpt")
     assert any(step % 6 == 0 for step in steps), refs  # at least one epoch-end save
     for name, ref in refs.items():

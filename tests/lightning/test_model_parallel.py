@@ -7,7 +7,6 @@ the full tensors. The strategies diffckpt cannot record are refused at setup, sa
 
 from __future__ import annotations
 
-import json
 import random
 import types
 
@@ -21,6 +20,7 @@ import diffckpt
 from diffckpt.errors import UnsupportedConfigurationError
 from lightning_ckpt import DiffCheckpoint, DiffCheckpointIO
 from lightning_ckpt.model_parallel import check_sharded, states_skipped
+from lightning_ckpt.references import read_reference
 
 SCRIPT = "tests/lightning/mp_script.py"
 STEPS = 10  # 3 optimizer steps per epoch (2 batches accumulate, 6 batches per rank and epoch)
@@ -82,7 +82,7 @@ def test_kill9_then_resume_last_is_bitwise_identical_on_every_rank(killed_and_re
     # ModelCheckpoint's saves became references (on every rank's call, rank 0 wrote), no DCP.
     refs = sorted(p.name for p in k.mc.iterdir())
     assert refs and all(p.is_file() for p in k.mc.iterdir()), refs
-    assert all(json.loads((k.mc / n).read_text())["format"] == "diffckpt-ref" for n in refs)
+    assert all(read_reference(str(k.mc / n))["format"] == "diffckpt-ref" for n in refs)
 
 
 def test_load_state_of_the_sharded_run_equals_the_full_tensors(killed_and_resumed, reference):

@@ -1,0 +1,235 @@
+"""``LoopCheckpointer``: what a checkpointer for a hand-written training loop does whatever the
+framework (Accelerate's ``DiffCheckpointer``, Fabric's ``FabricCheckpointer``).
+
+Users of those frameworks write their own loop, so the adapter decides where a step ends (a
+boundary: the next batch request, the last scheduler's or optimizer's step) and calls
+:meth:`LoopCheckpointer._boundary` there. Everything from that point on is the same for every
+framework and lives here: SIGTERM agreed by every rank so that all stop at the same step, the
+session started at the first boundary, each later step committed with the engine's metrics
+handed to the loop's logger, and the flush at :meth:`close` (also as a context manager, also on
+exceptions). A subclass says how its framework starts a session, what a step's state is and
+where metrics go.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from types import TracebackType
+from typing import Any, TypeVar
+
+from .dataorder import epoch_start_state
+from .engine import CheckpointEngine, FrameworkState
+from .options import CheckpointOptions
+from .preemption import StopSignal
+
+__all__ = ["END", "LoopCheckpointer", "TrackedLoader", "check_log_every"]
+
+log = logging.getLogger("diffckpt")
+
+_Self = TypeVar("_Self", bound="LoopCheckpointer")
+
+
+def check_log_every(log_every_n_steps: Any) -> int:
+    """``log_every_n_steps`` if it is a positive number of steps, else ``ValueError``."""
+    if not isinstance(log_every_n_steps, int) or isinstance(log_every_n_steps, bool) or log_every_n_steps < 1:
+        raise ValueError(f"log_every_n_steps must be a positive number of steps, got {log_every_n_steps!r}")
+    return log_every_n_steps
+
+
+class LoopCheckpointer:
+    """The life cycle shared by the checkpointers of hand-written loops (see the module doc).
+
+    A subclass calls ``super().__init__`` last in its own ``__init__`` (it installs the SIGTERM
+    handler, which nothing after it should leave behind on an error) and implements
+    :meth:`_start`, :meth:`_state`, :meth:`_has_loggers` and :meth:`_log` (and
+    :meth:`_on_close` if it hooked into its framework).
+    """
+
+    def __init__(self, url: str, options: CheckpointOptions, storage_options: dict[str, Any],
+                 log_every_n_steps: int) -> None:
+        self.url = url
+        self.options = options
+        self.storage_options = storage_options
+        self.log_every_n_steps = check_log_every(log_every_n_steps)
+        self.engine = CheckpointEngine(url, options, storage_options)
+        self.step = 0  # optimizer steps taken
+        self.durable_step: int | None = None
+        self._resume: dict[str, Any] | None = None  # this rank's RNG and data position to continue from
+        self._started = self._closed = False
+        self._sigterm = StopSignal()  # acted on at the next boundary: see _boundary
+
+    # ------------------------------------------------------------- for subclasses
+    def _start(self) -> None:
+        """Start checkpointing at the current step: ``engine.begin`` with the framework's meta
+        (every rank calls this); set ``_started`` and clear ``_resume``."""
+        raise NotImplementedError
+
+    def _state(self) -> FrameworkState:
+        """The engine's view of the loop at the current step."""
+        raise NotImplementedError
+
+    def _has_loggers(self) -> bool:
+        """Whether the loop has loggers (metrics are gathered only then)."""
+        raise NotImplementedError
+
+    def _log(self, metrics: dict[str, float], step: int) -> None:
+        """Hand ``metrics`` to the loop's loggers."""
+        raise NotImplementedError
+
+    def _on_close(self) -> None:
+        """Undo what the subclass hooked into its framework (after the last step is recorded)."""
+
+    # ------------------------------------------------------------------ boundary
+    @property
+    def received_sigterm(self) -> bool:
+        """Whether this process got SIGTERM (it stops at the next boundary, with every rank)."""
+        return self._sigterm.received
+
+    def _boundary(self) -> None:
+        """Everything the last step changed is in place: commit it, and stop if told to (every
+        rank calls this)."""
+        if self._closed:
+            return
+        if self.engine.agree(self._sigterm.received):  # every rank stops at the same step
+            self.close(reason="stopped by SIGTERM", timeout=self.options.flush_timeout_s)
+            self._sigterm.exit()
+        if not self._started:
+            self._start()
+        elif self.step > self.engine.recorded_step:
+            done = self.engine.commit(self.step, self._state())
+            if self._has_loggers():
+                metrics = dict(done.tuning)
+                if self.step % self.log_every_n_steps == 0:  # empty where this rank does not write
+                    metrics.update(self.engine.metrics())
+                if metrics:
+                    self._log(metrics, self.step)
+        self.engine.check()
+
+    # ---------------------------------------------------------------- shutdown
+    def close(self, reason: str = "end of training", timeout: float | None = None,
+              record: bool = True) -> int | None:
+        """Record the current step as a restorable one, flush and stop writing; return the
+        durable step. Every process must call it (recording gathers their state).
+
+        Args:
+            reason: said in the log line that reports how far durability got.
+            timeout: give up the flush after this many seconds (``None``: wait as
+                ``on_storage_error`` says); the log then says which steps were lost.
+            record: ``False`` flushes only what is already recorded (after an exception: the
+                step in progress may be half done, and other processes may not get here).
+        """
+        if self._closed:
+            return self.durable_step
+        try:
+            if record and self._started:
+                self.engine.make_restorable(self.step, self._state())
+        finally:
+            self._closed = True
+            self._on_close()
+            self._sigterm.uninstall()
+            # Also when recording failed: what is queued still gets written.
+            self.durable_step = self.engine.end(reason, timeout)
+        return self.durable_step
+
+    def __enter__(self: _Self) -> _Self:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close(reason=f"interrupted by {type(exc).__name__}", timeout=self.options.flush_timeout_s,
+                       record=False)
+        except Exception:  # the original exception is what the user must see
+            log.exception("diffckpt: flushing after %s failed too", type(exc).__name__)
+
+
+END = object()  # what ``next(iterator, END)`` returns at the end of an epoch
+
+
+class TrackedLoader:
+    """A training loader of a hand-written loop whose position is part of every checkpoint, and
+    whose first epoch after a restore continues the interrupted one.
+
+    Requesting a batch is a step boundary (``owner._boundary()``): the step the previous batch
+    trained is committed then, once the scheduler and anything else between the batches has run.
+    A subclass reads its framework's epoch counter (:meth:`_counter`), names the
+    ``torch.utils.data.DataLoader`` that draws the order (:meth:`_order_source`) and opens an
+    epoch (:meth:`_open`), which is where frameworks differ: how consumed batches are skipped.
+    """
+
+    def __init__(self, owner: LoopCheckpointer, dataloader: Any) -> None:
+        self.owner = owner
+        self.dataloader = dataloader
+        self.resume: dict[str, Any] | None = None  # {"position", "rng"} to continue from
+        self._active = False
+        self._iteration = 0
+        self._consumed = 0
+        self._epoch: dict[str, Any] | None = None
+
+    def __len__(self) -> int:
+        return len(self.dataloader)
+
+    # ------------------------------------------------------------- for subclasses
+    def _counter(self) -> int:
+        """The framework's count of the epochs this loader started."""
+        raise NotImplementedError
+
+    def _order_source(self) -> Any:
+        """What draws the epoch's order (:func:`diffckpt.dataorder.epoch_start_state` reads it)."""
+        raise NotImplementedError
+
+    def _position_extra(self) -> dict[str, Any]:
+        """More of the position the subclass needs on resume (which loader this is)."""
+        return {}
+
+    def _rewind(self, resume: dict[str, Any]) -> int:
+        """Set the epoch counter and the generators back to the start of the interrupted epoch
+        (and the RNG, where the framework draws the order from it); return the batches it had
+        consumed."""
+        raise NotImplementedError
+
+    def _first(self, resume: dict[str, Any] | None, skip: int) -> tuple[Iterator[Any], Any]:
+        """Open the epoch: an iterator and the first batch to train (:data:`END` if none), the
+        ``skip`` consumed batches passed over, and the RNG where ``resume`` left it. Frameworks
+        differ in how they pass batches over, and so in when the order is drawn."""
+        raise NotImplementedError
+
+    def _closed_epoch(self, skipped: int) -> None:
+        """An epoch ended (``skipped`` batches were skipped at its start)."""
+
+    # ------------------------------------------------------------------ shared
+    @property
+    def epoch(self) -> int:
+        """The epoch this loader is in, or starts next."""
+        if self.resume is not None:
+            return int(self.resume["position"]["iteration"])
+        return self._iteration if self._active else self._counter()
+
+    def position(self) -> dict[str, Any]:
+        """Where the next batch comes from: inside an epoch, or at the start of the next one."""
+        if self._active:
+            return {**self._position_extra(), "iteration": self._iteration, "consumed": self._consumed,
+                    "epoch_start": self._epoch}
+        return {**self._position_extra(), "iteration": self._counter(), "consumed": 0,
+                "epoch_start": epoch_start_state(self._order_source())}
+
+    def __iter__(self) -> Iterator[Any]:
+        self._active = False  # an abandoned epoch (break) is over once another one starts
+        self.owner._boundary()
+        resume, self.resume = self.resume, None
+        skip = 0 if resume is None else self._rewind(resume)
+        # The epoch's start as its order will be drawn from: recorded before anything draws.
+        self._iteration, self._consumed, self._epoch = self._counter(), skip, epoch_start_state(self._order_source())
+        self._active = True
+        it, batch = self._first(resume, skip)
+        while batch is not END:
+            self._consumed += 1
+            yield batch
+            self.owner._boundary()
+            batch = next(it, END)
+        self._closed_epoch(skip)
+        self._active = False
