@@ -227,18 +227,10 @@ class DiffCheckpointCallback(TrainerCallback):
             trainer = frame.f_locals["self"]
             check_supported(trainer, self.url)
             self.trainer = trainer
-            trainer.log = self._with_metrics(trainer.log)
+            # First of all callbacks, so that the reporting integrations (which the Trainer puts
+            # before the user's callbacks) are handed the metrics too.
+            trainer.callback_handler.callbacks.insert(0, _MetricsToReports(self))
         return self.trainer
-
-    def _with_metrics(self, log: Any) -> Any:
-        """``Trainer.log`` adding the core's ``diffckpt/*`` metrics to each training log (every
-        ``logging_steps``): callbacks run after the reporting integrations, so only the logs
-        themselves reach every tracker and ``log_history``."""
-        def log_with_metrics(logs: dict[str, float], *args: Any, **kwargs: Any) -> Any:
-            if "loss" in logs and self._started and not self._closed:  # not evaluation, not the summary
-                logs = {**logs, **self.engine.metrics()}  # empty where this process does not write
-            return log(logs, *args, **kwargs)
-        return log_with_metrics
 
     def _require_trainer(self) -> None:
         if self.trainer is None:
@@ -318,3 +310,21 @@ class DiffCheckpointCallback(TrainerCallback):
             self._closed = True
             self.durable_step = self.engine.end("interrupted before the end of training",
                                                 self.options.flush_timeout_s)
+
+
+class _MetricsToReports(TrainerCallback):
+    """Adds the core's ``diffckpt/*`` metrics to each training log (every ``logging_steps``) as
+    the callbacks after it, the reporting integrations included, receive it.
+
+    ``Trainer.log`` appends a copy of the logs to ``state.log_history`` before any callback runs,
+    so the metrics never enter ``log_history`` nor ``trainer_state.json``: those stay what a run
+    without diffckpt writes (the metrics depend on the writer's timing, not on training)."""
+
+    def __init__(self, owner: DiffCheckpointCallback) -> None:
+        self.owner = owner
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None,
+               **kwargs: Any) -> None:
+        owner = self.owner
+        if logs is not None and "loss" in logs and owner._started and not owner._closed:  # not evaluation
+            logs.update(owner.engine.metrics())  # empty where this process does not write

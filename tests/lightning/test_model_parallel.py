@@ -117,7 +117,8 @@ def test_tensor_parallel_is_refused_at_setup(tmp_path):
 def _setup(strategy, **kwargs) -> DiffCheckpoint:
     """``DiffCheckpoint.setup`` as the Trainer calls it, after the processes are set up."""
     callback = DiffCheckpoint("unused", **kwargs)
-    callback.setup(types.SimpleNamespace(strategy=strategy, world_size=2), None, "fit")  # type: ignore[arg-type]
+    trainer = types.SimpleNamespace(strategy=strategy, world_size=2, callbacks=[callback])
+    callback.setup(trainer, None, "fit")  # type: ignore[arg-type]
     return callback
 
 

@@ -1,6 +1,7 @@
 """transformers ``Trainer``: the core's ``diffckpt/*`` metrics join the training logs every
-``logging_steps`` (``log_history`` and every reporting callback), and a fresh ``train()`` on a run
-root holding another run warns how to resume instead."""
+``logging_steps`` as the reporting integrations receive them (not ``log_history``, which stays
+what a run without diffckpt has), and a fresh ``train()`` on a run root holding another run warns
+how to resume instead."""
 
 from __future__ import annotations
 
@@ -14,22 +15,24 @@ from transformers import TrainerCallback
 
 
 class _Reporter(TrainerCallback):
-    """Stands where the reporting integrations stand: before the diffckpt callback."""
+    """Stands where the reporting integrations (``report_to``) stand: after the Trainer's default
+    callbacks, before the user's (the diffckpt callback among them)."""
 
     def __init__(self) -> None:
         self.logs: list[dict[str, Any]] = []
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        self.logs.append(dict(logs or {}))
+        self.logs.append({**(logs or {}), "step": state.global_step})
 
 
 def test_metrics_join_the_training_logs(tmp_path: Path) -> None:
     root = tmp_path / "run"
     t, _ = trainer(tmp_path, str(root), max_steps=8, logging_steps=2)
     reporter = _Reporter()
-    t.callback_handler.callbacks.insert(0, reporter)
+    ours = next(i for i, c in enumerate(t.callback_handler.callbacks) if type(c).__name__ == "DiffCheckpointCallback")
+    t.callback_handler.callbacks.insert(ours, reporter)
     t.train()
-    logged = [e for e in t.state.log_history if "diffckpt/bytes_per_step" in e]
+    logged = [e for e in reporter.logs if "diffckpt/bytes_per_step" in e]
     assert [e["step"] for e in logged] == [2, 4, 6, 8]
     assert all("loss" in e for e in logged)  # in the training log itself, at its frequency
     on_disk = sum(p.stat().st_size for p in (root / "diffs").iterdir())
@@ -44,9 +47,11 @@ def test_metrics_join_the_training_logs(tmp_path: Path) -> None:
         assert 0 <= e["diffckpt/bytes_written"] <= on_disk and e["diffckpt/bytes_per_step"] >= 0
     written = [e["diffckpt/bytes_written"] for e in logged]
     assert written == sorted(written)  # a running total
-    reported = [e for e in reporter.logs if "diffckpt/bytes_per_step" in e]
-    assert len(reported) == 4  # what reporting integrations are handed
-    assert not any("diffckpt/bytes_per_step" in e for e in t.state.log_history if "train_runtime" in e)
+    # Not in the evaluation or summary logs, and never in log_history (trainer_state.json stays
+    # what a run without diffckpt writes).
+    assert not any("diffckpt/bytes_per_step" in e for e in reporter.logs if "loss" not in e)
+    assert [e["step"] for e in t.state.log_history if "loss" in e] == [2, 4, 6, 8]
+    assert not any(k.startswith("diffckpt/") for e in t.state.log_history for k in e)
 
 
 def _used_root_warnings(record: list[warnings.WarningMessage]) -> list[str]:

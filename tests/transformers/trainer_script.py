@@ -111,8 +111,7 @@ def main() -> None:
              "log": json.dumps([{k: v for k, v in e.items() if k not in ("train_runtime", "train_samples_per_second",
                                                                           "train_steps_per_second", "eval_runtime",
                                                                           "eval_samples_per_second",
-                                                                          "eval_steps_per_second")
-                                and not k.startswith("diffckpt/")}  # metrics of the run's own writer
+                                                                          "eval_steps_per_second")}
                                 for e in trainer.state.log_history], sort_keys=True)}
     torch.save(final, a.out if rank == 0 else f"{a.out}.rank{rank}")
 
