@@ -68,7 +68,8 @@ def test_borrowed_tensors_view_the_buffer_where_64_byte_aligned_else_aligned_cop
         copies = {t.untyped_storage().data_ptr() for t in got.values() if not lo <= t.data_ptr() < hi}
         assert len(copies) <= 1  # one block for the record's copies
         del buf, raw
-        gc.collect()
+        if shift % 16 == 0:  # a full collection per shift would cost seconds; every 16th proves it
+            gc.collect()
         for key, t in tree.items():  # the views keep the buffer alive
             assert got[key].dtype == t.dtype and torch.equal(got[key], t)
     assert seen == {True, False}

@@ -234,6 +234,7 @@ def test_bfloat16_reduction_is_stored_in_16_bits_and_resumes_bitwise(tmp_path):
     assert torch.float32 in _stored_grad_dtypes(clipped, 0)
 
 
+@pytest.mark.slow  # a benchmark's smoke run: its code paths are the sharded tests above
 def test_sharded_benchmark_smoke_run(tmp_path):
     """``bench/sharded.py --quick``: every configuration runs, and every restore (diffckpt and
     DCP) is bitwise equal to the trained state on every rank."""
