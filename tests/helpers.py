@@ -93,6 +93,27 @@ def run_script(script: str, args: list[str], kill_at_step: int | None = None, ti
     return rc, "".join(lines)
 
 
+def terminate_at_step(script: str, args: list[str], at_step: int, prefix: list[str] | None = None,
+                      env: dict[str, str | None] | None = None, timeout: float = 120
+                      ) -> tuple[int, str, int | None, int]:
+    """Run a training script and send SIGTERM to it (the first process: a launcher forwards it)
+    once it prints ``STEP <n>`` with ``n >= at_step``. Returns the exit status, the log, the step
+    after which it was sent (``None``: never) and the last step printed."""
+    cmd = (prefix or [sys.executable]) + [os.path.join(ROOT, script), *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=script_env(env), start_new_session=True)
+    lines, sent_after = [], None
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("STEP ") and sent_after is None and int(line.split()[1]) >= at_step:
+            sent_after = int(line.split()[1])
+            proc.send_signal(signal.SIGTERM)
+    rc = proc.wait(timeout=timeout)
+    last = max((int(line.split()[1]) for line in lines if line.startswith("STEP ")), default=-1)
+    return rc, "".join(lines), sent_after, last
+
+
 def run_training(script: str, args: list[str], prefix: list[str] | None = None, **kw: Any) -> str:
     """:func:`run_script` that must end as asked: killed (``kill_at_step``) or with status 0;
     returns the log."""

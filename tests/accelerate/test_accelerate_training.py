@@ -11,20 +11,18 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import (
-    ROOT,
     assert_bitwise_equal,
     load_ranks,
     reference_states,
     run_script,
     run_training,
-    script_env,
+    terminate_at_step,
     torchrun,
 )
 
@@ -213,21 +211,10 @@ def test_sigterm_flushes_every_step_and_exits(config, reference, tmp_path):
     agree on a step, record it, flush, log how far durability got and exit; the resume is exact."""
     run = tmp_path / "run"
     args, ranks, _ = CONFIGS[config]
-    launch = [sys.executable] if ranks == 1 else torchrun(next(_port))
-    proc = subprocess.Popen([*launch, os.path.join(ROOT, SCRIPT), str(tmp_path / "x.pt"), *args,
-                             "--dirpath", str(run)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=script_env())
-    lines, sent_after = [], None
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        lines.append(line)
-        if line.startswith("STEP ") and sent_after is None and int(line.split()[1]) >= 5:
-            sent_after = int(line.split()[1])
-            proc.send_signal(signal.SIGTERM)
-    rc = proc.wait(timeout=120)
-    log = "".join(lines)
+    launch = None if ranks == 1 else torchrun(next(_port))
+    rc, log, sent_after, last = terminate_at_step(SCRIPT, [str(tmp_path / "x.pt"), *args, "--dirpath", str(run)],
+                                                  5, prefix=launch)
     assert rc == 128 + signal.SIGTERM if ranks == 1 else rc != 0, log[-2000:]
-    last = max(int(line.split()[1]) for line in lines if line.startswith("STEP "))
     assert sent_after is not None and last <= sent_after + 1
     assert f"stopped by SIGTERM; durable up to step {last} in" in log, log[-2000:]
     log = _run(config, tmp_path / "resumed.pt", ["--dirpath", str(run), "--resume", "last"])

@@ -10,18 +10,15 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from helpers import (
-    ROOT,
     assert_bitwise_equal,
     load_ranks,
     reference_states,
     run_training,
-    script_env,
+    terminate_at_step,
 )
 
 SCRIPT = "tests/fabric/fabric_script.py"
@@ -75,21 +72,10 @@ def test_sigterm_flushes_every_step_and_exits(config, reference, tmp_path):
     got and exits; the resume from there is exact."""
     args, ranks, _ = CONFIGS[config]
     run = tmp_path / "run"
-    env = script_env({"MASTER_PORT": str(29900 + random.Random(f"{SEED}-{tmp_path}").randrange(90))})
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, SCRIPT), str(tmp_path / "x.pt"), *args,
-                             "--dirpath", str(run)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env, start_new_session=True)
-    lines, sent_after = [], None
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        lines.append(line)
-        if line.startswith("STEP ") and sent_after is None and int(line.split()[1]) >= 5:
-            sent_after = int(line.split()[1])
-            proc.send_signal(signal.SIGTERM)
-    rc = proc.wait(timeout=120)
-    log = "".join(lines)
+    env = {"MASTER_PORT": str(29900 + random.Random(f"{SEED}-{tmp_path}").randrange(90))}
+    rc, log, sent_after, last = terminate_at_step(SCRIPT, [str(tmp_path / "x.pt"), *args, "--dirpath", str(run)],
+                                                  5, env=env)
     assert rc == 128 + signal.SIGTERM, log[-2000:]
-    last = max(int(line.split()[1]) for line in lines if line.startswith("STEP "))
     assert sent_after is not None and last <= sent_after + 1
     assert f"stopped by SIGTERM; durable up to step {last} in" in log, log[-2000:]
     log = _run(config, tmp_path / "resumed.pt", ["--dirpath", str(run), "--resume", "last"])

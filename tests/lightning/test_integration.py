@@ -48,7 +48,9 @@ def test_model_checkpoint_saves_become_references_and_resume_exactly(tmp_path, r
     assert_bitwise_equal(reference("adamw"), torch.load(out, weights_only=False))
 
 
-@pytest.mark.parametrize("order", ["mc-first", "diff-first"])
+# DiffCheckpoint listed first is the order setup() rearranges; the other order runs in make soak
+# (tests/lightning/test_coexistence.py checks both orders for "best" and "last").
+@pytest.mark.parametrize("order", [pytest.param("mc-first", marks=pytest.mark.slow), "diff-first"])
 def test_references_at_epoch_ends_resume_exactly_in_either_callback_order(order, tmp_path, reference):  # noqa: F811
     """Epoch-end steps are recorded after the epoch; a save there must wait for that record."""
     run, mc = tmp_path / "run", tmp_path / "mc"
