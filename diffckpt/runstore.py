@@ -30,7 +30,7 @@ from .prefetch import Fetched, Prefetcher, Preparer, ReadyAhead
 from .storage import Storage
 
 if TYPE_CHECKING:  # tree imports torch, which `diffckpt ls` and `gc` do without: imported where records are read
-    from .tree import BlockPool
+    from .borrowing import BlockPool
 
 __all__ = ["PREFETCH_BYTES", "PREFETCH_READY_BYTES", "PREFETCH_SEGMENTS", "RUN_FILE", "ReadStats",
            "RestorePlan", "RunStore", "session_path", "tuning_path"]
@@ -343,7 +343,7 @@ class RunStore:
         early cancels the reads not yet started. ``stats``, if given, adds up what was read.
 
         The tensors of a record are views of the segment it was read from where aligned
-        (``tree.borrowing``), which they keep in memory: read them, never write them, and copy
+        (``borrowing.borrowing``), which they keep in memory: read them, never write them, and copy
         what outlives replay.
         ``prepare`` readies each record before it is yielded (replay decodes a step's gradients):
         with prefetching and ``prepare.ahead``, in one more background thread, at most
@@ -379,7 +379,7 @@ class RunStore:
                  ) -> Generator[tuple[dict[str, Any] | None, str | None], None, None]:
         """:meth:`read_records` before preparation; ``count_wait``: add the time spent waiting
         for segments to ``stats.wait_s`` (not when this runs on a thread of its own)."""
-        from .tree import BlockPool
+        from .borrowing import BlockPool
 
         expected_after = plan.base.step
         blocks = BlockPool()
@@ -425,8 +425,8 @@ class RunStore:
     def _fetch(self, seg: SegmentName, blocks: BlockPool) -> Fetched:
         """Read and decode one segment (on a prefetch thread, or the caller's); its tensors are
         views of the bytes read where 64-byte aligned, else copies into ``blocks``
-        (``tree.borrowing``)."""
-        from .tree import borrowing
+        (``borrowing.borrowing``)."""
+        from .borrowing import borrowing
 
         data = self.storage.read(seg.path)
         with borrowing(blocks):

@@ -10,24 +10,20 @@ Nothing on the load path executes code from the file. The JSON encoding is speci
 from __future__ import annotations
 
 import base64
-import contextlib
-import contextvars
 import json
 import math
 import struct
 import sys
-import threading
-import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import safetensors.torch
 import torch
 
+from .borrowing import borrowed
 from .errors import CorruptRecordError, UnsupportedConfigurationError
 
-__all__ = ["BlockPool", "borrowing", "decode_tree", "encode_tree", "pack_tree", "portable", "read_metadata",
+__all__ = ["decode_tree", "encode_tree", "pack_tree", "portable", "read_metadata",
            "unpack_tree"]
 
 _META_KEY = "diffckpt.tree"
@@ -253,77 +249,6 @@ def _naturals(value: Any) -> bool:
     return isinstance(value, list) and all(type(x) is int and x >= 0 for x in value)
 
 
-class BlockPool:
-    """64-byte aligned memory for the copies :func:`borrowing` makes of misaligned data, taken
-    back once no tensor uses it. Fresh memory costs a page fault per 4 KiB, several times the
-    copy itself: 13 MB copied into fresh memory took 6.5 ms, into recycled memory 0.9 ms (with
-    40 such blocks alive, as in a restore's read-ahead window). Safe to share between threads."""
-
-    ALIGN = 64
-
-    def __init__(self) -> None:
-        self._free: list[np.ndarray] = []
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        """A uint8 tensor of ``nbytes`` whose memory comes back here when the last tensor
-        viewing it is freed (a finalizer on the array DLPack holds for torch)."""
-        with self._lock:  # the smallest free block that fits (by position: arrays compare by value)
-            fits = [i for i, b in enumerate(self._free) if b.nbytes - self.ALIGN >= nbytes]
-            base = self._free.pop(min(fits, key=lambda i: self._free[i].nbytes)) if fits else None
-        if base is None:
-            base = np.empty(nbytes + self.ALIGN, dtype=np.uint8)
-        shift = -base.ctypes.data % self.ALIGN
-        lease = base[shift : shift + nbytes]
-        weakref.finalize(lease, self._give_back, base)
-        return torch.from_dlpack(lease)
-
-    def _give_back(self, base: np.ndarray) -> None:
-        with self._lock:
-            self._free.append(base)
-
-
-_BORROWING: contextvars.ContextVar[BlockPool | None] = contextvars.ContextVar(
-    "diffckpt_tree_borrowing", default=None)
-
-
-@contextlib.contextmanager
-def borrowing(blocks: BlockPool | None = None) -> Iterator[None]:
-    """Within the block, :func:`unpack_tree` (on this thread) returns tensors that are views of
-    the buffer it decodes, not copies.
-
-    For a caller that only reads the tensors (replay installs a segment's gradients as ``.grad``
-    and ``step()`` reads them): no copy and no fresh memory to fault in; the views keep the
-    buffer alive. The buffer may be ``bytes``: the views then alias read-only memory and must
-    never be written, so copy whatever outlives the read (``capture.clone_tree``). A tensor is a
-    view only where its data start at a multiple of 64 bytes, as torch's allocator places
-    tensors: kernels may round differently at another alignment (MKL's matrix products do), and
-    some compiled ones assume at least natural alignment. The others are copied into one block
-    of a record from ``blocks`` (one pool per reader recycles them). Bases are never decoded
-    this way: ``Optimizer.load_state_dict`` keeps the tensors it is given and updates them in
-    place.
-    """
-    token = _BORROWING.set(blocks if blocks is not None else BlockPool())
-    try:
-        yield
-    finally:
-        _BORROWING.reset(token)
-
-
-def _alias(data: memoryview) -> torch.Tensor | None:
-    """A uint8 tensor over ``data`` without a copy (``None`` where this numpy and torch cannot).
-
-    DLPack is the interface that shares read-only memory without PyTorch's one-time warning
-    about non-writable buffers (``torch.frombuffer``, ``torch.from_numpy``); the array it
-    exports holds ``data``, which holds the buffer, for as long as a view lives. numpy < 2.1
-    refuses to export read-only memory: then every tensor is copied, as outside ``borrowing``.
-    """
-    try:
-        return torch.from_dlpack(np.frombuffer(data, dtype=np.uint8))
-    except (BufferError, TypeError, RuntimeError):
-        return None
-
-
 def _load_tensors(buf: bytes | memoryview, header: dict[str, Any], start: int) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors buffer, each copied into its own memory (views of ``buf``
     inside :func:`borrowing`).
@@ -337,10 +262,9 @@ def _load_tensors(buf: bytes | memoryview, header: dict[str, Any], start: int) -
         return safetensors.torch.load(bytes(buf))
     data = memoryview(buf)[start:]
     spans = _tensor_spans(header, len(data))
-    blocks = _BORROWING.get()
-    block = _alias(data) if spans and blocks is not None else None
-    if blocks is not None and block is not None:
-        return _borrow(block, spans, blocks)
+    views = borrowed(data, spans) if spans else None
+    if views is not None:
+        return views
     out = {}
     for begin, end, name, dtype, shape in spans:
         if begin == end:
@@ -348,31 +272,6 @@ def _load_tensors(buf: bytes | memoryview, header: dict[str, Any], start: int) -
         else:
             raw = np.frombuffer(data, dtype=np.uint8, count=end - begin, offset=begin).copy()
             out[name] = torch.from_numpy(raw).view(dtype).reshape(shape)
-    return out
-
-
-def _borrow(block: torch.Tensor, spans: list[tuple[int, int, str, torch.dtype, list[int]]],
-            blocks: BlockPool) -> dict[str, torch.Tensor]:
-    """:func:`_load_tensors` inside :func:`borrowing`: views of ``block`` where a tensor starts
-    at a multiple of 64 bytes, copies into one block from ``blocks`` for the others."""
-    align = BlockPool.ALIGN
-    base = block.data_ptr()
-    # Where torch's allocator would have put the tensor: training's kernels saw that alignment,
-    # and some round by it (MKL's matrix products, for one); a segment puts data at any byte.
-    moved = {begin: -((begin - end) // align) * align  # the span's bytes, rounded up to ``align``
-             for begin, end, _, dtype, _ in spans
-             if end > begin and ((base + begin) % align or begin % dtype.itemsize)}
-    copies = blocks.take(sum(moved.values())) if moved else None
-    out, at = {}, 0
-    for begin, end, name, dtype, shape in spans:
-        if begin == end:
-            out[name] = torch.empty(shape, dtype=dtype)
-            continue
-        piece = block[begin:end]
-        if copies is not None and begin in moved:
-            piece = copies[at : at + end - begin].copy_(piece)  # torch copies without the GIL
-            at += moved[begin]
-        out[name] = piece.view(dtype).reshape(shape)
     return out
 
 

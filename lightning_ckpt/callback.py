@@ -8,7 +8,6 @@ calls, which every rank makes: the engine decides who writes and exchanges what 
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 from typing import Any
@@ -34,6 +33,7 @@ from diffckpt.options import (
 from diffckpt.rng import get_rng_state, set_rng_state
 
 from . import model_parallel
+from .coexistence import behind_model_checkpoints, refuse_model_checkpoint_keywords
 from .compression import GradientCompression
 from .references import drop_last_candidate, last_candidate, write_reference
 from .samplers import SamplerOrderTracker
@@ -42,41 +42,6 @@ from .state import StepState, checkpoint_dict
 __all__ = ["DiffCheckpoint"]
 
 log = logging.getLogger("diffckpt")
-
-
-# ModelCheckpoint's keywords that DiffCheckpoint spells otherwise. Its others have no counterpart:
-# DiffCheckpoint records every step, and choosing which steps to keep as files is the job of a
-# ModelCheckpoint next to it, whose saves become references to the run.
-_RENAMED = {"every_n_train_steps": "every_n_steps"}
-
-
-def _refuse_model_checkpoint_keywords(kwargs: dict[str, Any]) -> None:
-    """Name DiffCheckpoint's spelling for ModelCheckpoint's keywords, instead of letting them
-    reach CheckpointOptions (whose error would not say that they belong to ModelCheckpoint)."""
-    theirs = set(inspect.signature(ModelCheckpoint.__init__).parameters) - {"self", "dirpath"}
-    for key in sorted(set(kwargs) & theirs):
-        if key in _RENAMED:
-            raise TypeError(f"DiffCheckpoint() got ModelCheckpoint's keyword '{key}'; DiffCheckpoint spells it "
-                            f"{_RENAMED[key]}=: DiffCheckpoint(dirpath, {_RENAMED[key]}={kwargs[key]!r})")
-        raise TypeError(f"DiffCheckpoint() got ModelCheckpoint's keyword '{key}', which has no DiffCheckpoint "
-                        f"counterpart: DiffCheckpoint records every step. To keep checkpoint files chosen by "
-                        f"{key}=, add ModelCheckpoint({key}=...) next to DiffCheckpoint in Trainer(callbacks=[...]); "
-                        "with plugins=[DiffCheckpointIO()] its saves become small references to the run")
-
-
-def _behind_model_checkpoints(trainer: pl.Trainer) -> None:
-    """Move every DiffCheckpoint behind the Trainer's other checkpoint callbacks.
-
-    Lightning takes the first checkpoint callback for ``trainer.checkpoint_callback``,
-    ``ckpt_path="best"`` and ``best_model_path``; a DiffCheckpoint there (it has no best model)
-    would hide the user's ModelCheckpoint whenever ``callbacks=[...]`` lists it first. Lightning
-    already puts checkpoint callbacks last, so this only reorders within that group.
-    """
-    ours = [c for c in trainer.callbacks if isinstance(c, DiffCheckpoint)]
-    reordered = [c for c in trainer.callbacks if not isinstance(c, DiffCheckpoint)] + ours
-    if reordered != trainer.callbacks:
-        # A new list: Lightning may be iterating the old one (this runs inside the setup hooks).
-        trainer.callbacks = reordered
 
 
 class DiffCheckpoint(ModelCheckpoint):
@@ -108,7 +73,7 @@ class DiffCheckpoint(ModelCheckpoint):
                  base_every_n_steps: int | Auto | None = DEFAULT_BASE_EVERY_N_STEPS,
                  options: CheckpointOptions | None = None, storage_options: dict[str, Any] | None = None,
                  codec: Codec | None = None, **legacy: Any) -> None:
-        _refuse_model_checkpoint_keywords(legacy)
+        refuse_model_checkpoint_keywords(legacy)
         super().__init__(dirpath=None, save_top_k=0, save_last=False)
         self.options = merge_options(options, legacy, every_n_steps=every_n_steps, write_batch=write_batch,
                                      base_every_n_steps=base_every_n_steps)
@@ -153,7 +118,7 @@ class DiffCheckpoint(ModelCheckpoint):
         from .checkpoint_io import DiffCheckpointIO
 
         self._trainer = trainer
-        _behind_model_checkpoints(trainer)
+        behind_model_checkpoints(trainer)
         # Per-run state: a previous fit that ended in an exception must not leak into this one.
         self._deferred = self._epoch_end = False
         strategy = trainer.strategy

@@ -41,6 +41,7 @@ from diffckpt.options import (
 from diffckpt.preemption import StopSignal
 from diffckpt.rng import get_rng_state, set_rng_state
 
+from .reporting import MetricsToReports
 from .resume_point import (
     read_marker,
     remove_resume_points,
@@ -229,7 +230,7 @@ class DiffCheckpointCallback(TrainerCallback):
             self.trainer = trainer
             # First of all callbacks, so that the reporting integrations (which the Trainer puts
             # before the user's callbacks) are handed the metrics too.
-            trainer.callback_handler.callbacks.insert(0, _MetricsToReports(self))
+            trainer.callback_handler.callbacks.insert(0, MetricsToReports(self))
         return self.trainer
 
     def _require_trainer(self) -> None:
@@ -310,21 +311,3 @@ class DiffCheckpointCallback(TrainerCallback):
             self._closed = True
             self.durable_step = self.engine.end("interrupted before the end of training",
                                                 self.options.flush_timeout_s)
-
-
-class _MetricsToReports(TrainerCallback):
-    """Adds the core's ``diffckpt/*`` metrics to each training log (every ``logging_steps``) as
-    the callbacks after it, the reporting integrations included, receive it.
-
-    ``Trainer.log`` appends a copy of the logs to ``state.log_history`` before any callback runs,
-    so the metrics never enter ``log_history`` nor ``trainer_state.json``: those stay what a run
-    without diffckpt writes (the metrics depend on the writer's timing, not on training)."""
-
-    def __init__(self, owner: DiffCheckpointCallback) -> None:
-        self.owner = owner
-
-    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None,
-               **kwargs: Any) -> None:
-        owner = self.owner
-        if logs is not None and "loss" in logs and owner._started and not owner._closed:  # not evaluation
-            logs.update(owner.engine.metrics())  # empty where this process does not write

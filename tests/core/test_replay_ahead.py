@@ -24,10 +24,11 @@ from engine_runs import Truth, assert_state, flip, make, record_span, restore, s
 
 from diffckpt import CheckpointEngine, CorruptRecordError
 from diffckpt import runstore as store_module
+from diffckpt.borrowing import BlockPool, borrowing
 from diffckpt.codecs.compressor import clip_gradients, clip_tensors
 from diffckpt.prefetch import THREAD_PREFIX, ReadyAhead
 from diffckpt.runstore import RunStore
-from diffckpt.tree import BlockPool, borrowing, pack_tree, unpack_tree
+from diffckpt.tree import pack_tree, unpack_tree
 
 STEPS = 12
 
