@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo lint test bench soak clean
+.PHONY: install demo lint test bench soak clean gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -44,5 +44,20 @@ bench: $(VENV)/.installed-bench
 	$(BIN)/python bench/lifecycle.py --threads 1  # retention and background compaction vs training bases
 	$(BIN)/python bench/sharded.py  # FSDP2 on 2 ranks: diffckpt vs torch.distributed.checkpoint
 
+# The GPU check (docs/gpu.md). On the GPU machine, with its own python3 and no network:
+#   make gpu-check            (the wheels of `make gpu-wheels` in .gpu-wheels/ travel along)
+# Here, or in make test: `make gpu-check DRY=1` runs every part on the CPU with tiny sizes.
+GPU_PY ?= python3
+ifdef DRY
+gpu-check: $(STAMP)
+	$(BIN)/python bench/gpu_check.py --dry
+else
+gpu-check:
+	$(GPU_PY) bench/gpu_check.py
+endif
+
+gpu-wheels: $(STAMP)  # here, with network: what the GPU machine's python3 lacks, for Python 3.12
+	$(BIN)/python bench/gpu_check.py --fetch-wheels
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info .gpu-site

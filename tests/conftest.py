@@ -6,6 +6,17 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``cuda`` skip themselves without a CUDA device (``make gpu-check`` runs them)."""
+    marked = [item for item in items if item.get_closest_marker("cuda")]
+    if marked:
+        import torch
+
+        if not torch.cuda.is_available():
+            for item in marked:
+                item.add_marker(pytest.mark.skip(reason="no CUDA device (make gpu-check runs it on one)"))
+
+
 @pytest.fixture
 def python_env():
     """Environment for training subprocesses: single-threaded torch, the repo importable."""

@@ -81,6 +81,14 @@ def run_script(script: str, args: list[str], kill_at_step: int | None = None, ti
     cmd = (prefix or [sys.executable]) + [os.path.join(ROOT, script), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=script_env(env), start_new_session=True)
+    lines = read_output(proc, kill_at_step)
+    rc = proc.wait(timeout=timeout)
+    return rc, "".join(lines)
+
+
+def read_output(proc: subprocess.Popen[str], kill_at_step: int | None) -> list[str]:
+    """The lines ``proc`` prints until it ends or, with ``kill_at_step``, until it prints
+    ``STEP <n>`` with ``n >= kill_at_step``, when it is killed with every descendant."""
     lines = []
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -89,8 +97,7 @@ def run_script(script: str, args: list[str], kill_at_step: int | None = None, ti
             kill_tree(proc.pid)
             break
     proc.stdout.close()
-    rc = proc.wait(timeout=timeout)
-    return rc, "".join(lines)
+    return lines
 
 
 def terminate_at_step(script: str, args: list[str], at_step: int, prefix: list[str] | None = None,

@@ -19,8 +19,7 @@ from diffckpt.errors import DiffCkptError
 from diffckpt.leases import TRUST_AFTER, GradientLeases, copy_tensors, exclusive
 from diffckpt.staging import HostStage, PinnedPool
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                 reason="no CUDA device"))]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 STEPS = 9
 
 
@@ -216,7 +215,7 @@ def test_host_records_pass_the_stage_untouched() -> None:
     assert staged is record and buffers == []
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.cuda
 def test_capture_never_synchronises_the_training_stream(tmp_path: Path) -> None:
     """With CUDA's sync debug mode set to error, an implicit synchronisation on any thread (a
     blocking device-to-host copy, ``.item()``) raises: training records every step without one."""

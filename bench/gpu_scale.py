@@ -1,0 +1,256 @@
+"""The runs of ``make gpu-check``'s overhead and restore parts (``bench/gpu_check.py``): a GPT-2
+model built from a ``GPT2Config`` (no download), trained in a plain loop with bf16 autocast,
+one configuration per process. Each run prints one ``RESULT {json}`` line.
+
+    python bench/gpu_scale.py train CONFIG --workdir DIR [--device cuda] [--size 124m] [--batch auto]
+    python bench/gpu_scale.py restore diffckpt|limit --workdir DIR  # after ``train diffckpt``
+
+``train`` configurations: ``none`` (no checkpointing, the baseline), ``diffckpt`` (a diff every
+step with ``CheckpointEngine``'s default options), ``dcp-1`` and ``dcp-10``
+(``torch.distributed.checkpoint.async_save`` of the model and optimizer every step and every 10
+steps, the previous save awaited first, older saves deleted). Timed: the ``--steps`` steps after
+``--warmup``, from a device synchronisation to the end of the loop (``loop_s``) and to the end
+of the final flush or save (``total_s``). Also reported: the peak device memory allocated over
+the timed window, the process's peak RSS and the bytes written.
+
+``--batch auto`` (the ``none`` run only) picks the batch that keeps the device busy for about
+``--target-ms`` a step and prints it; the parent passes it to the other runs.
+
+``restore diffckpt`` resumes the newest durable step of ``train diffckpt``'s run root onto a fresh
+model and checks it bitwise against that run's final state; ``restore limit`` is what no restore
+can beat: ``torch.load`` of the full state at the base that run saved, plus one bare
+``optimizer.step()`` per step replayed (gradients already in device memory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import sys
+import time
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
+
+SIZES = {  # GPT2Config: n_layer, n_embd, n_head, vocab, tokens per sequence
+    "124m": (12, 768, 12, 50257, 1024),
+    "350m": (24, 1024, 16, 50257, 1024),
+    "tiny": (2, 64, 2, 512, 64),  # the dry run on a CPU
+}
+CONFIGS = ["none", "diffckpt", "dcp-1", "dcp-10"]
+
+
+def rss_peak() -> int:
+    """This process's peak resident set size in bytes (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def build(args: argparse.Namespace) -> tuple[Any, Any]:
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    layers, dim, heads, vocab, ctx = SIZES[args.size]
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=layers, n_embd=dim, n_head=heads, vocab_size=vocab, n_positions=ctx,
+                     bos_token_id=vocab - 1, eos_token_id=vocab - 1)
+    model = GPT2LMHeadModel(cfg).to(args.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    return model, opt
+
+
+def batches(args: argparse.Namespace, batch: int) -> Any:
+    import torch
+
+    _, _, _, vocab, ctx = SIZES[args.size]
+    g = torch.Generator(device=args.device).manual_seed(1)
+    while True:
+        yield torch.randint(0, vocab, (batch, ctx), device=args.device, generator=g)
+
+
+def step_fn(args: argparse.Namespace, model: Any, opt: Any) -> Any:
+    import torch
+
+    def step(ids: Any) -> None:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(args.device, dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+    return step
+
+
+def calibrate(args: argparse.Namespace, model: Any, opt: Any) -> int:
+    """The batch that keeps the device busy about ``--target-ms`` per step (at most 64)."""
+    step, batch = step_fn(args, model, opt), 4
+    for _ in range(2):
+        data = batches(args, batch)
+        step(next(data))  # warm-up: kernels chosen, memory allocated
+        sync(args.device)
+        t0 = time.perf_counter()
+        for _ in range(2):
+            step(next(data))
+        sync(args.device)
+        per_step = (time.perf_counter() - t0) / 2
+        batch = max(1, min(64, round(batch * args.target_ms / 1000 / per_step)))
+    return batch
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    model, opt = build(args)
+    batch = calibrate(args, model, opt) if args.batch == "auto" else int(args.batch)
+    if args.batch == "auto":  # measure from the same starting point as every other configuration
+        model, opt = build(args)
+    data = batches(args, batch)
+    step = step_fn(args, model, opt)
+    root = os.path.join(args.workdir, args.config)
+    os.makedirs(root, exist_ok=True)
+    engine = save = None
+    if args.config == "diffckpt":
+        from diffckpt import CheckpointEngine
+
+        class Source:  # nothing beyond model and optimizer: the data depend on the step alone
+            def rank_state(self) -> Any:
+                return None
+
+            def state(self, ranks: list[Any]) -> Any:
+                return {}
+
+        engine, source = CheckpointEngine(root), Source()
+        engine.begin(model, [opt], 0, source)
+        # The full state at the base, for ``restore limit`` (written outside the timed window).
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()},
+                   os.path.join(args.workdir, "base0.pt"))
+    elif args.config.startswith("dcp-"):
+        import torch.distributed.checkpoint as dcp
+
+        every, pending, kept, removed = int(args.config.split("-")[1]), None, [], [0]
+
+        def save(n: int, final: bool = False) -> None:
+            nonlocal pending
+            if n % every and not final:
+                return
+            if pending is not None:
+                pending.result()
+                while len(kept) > 1:  # keep the newest completed save and the one in flight
+                    old = kept.pop(0)
+                    removed[0] += dir_bytes(old)  # counted as written
+                    shutil.rmtree(old, ignore_errors=True)
+            path = os.path.join(root, f"step{n}")
+            kept.append(path)
+            sd = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+            pending = dcp.async_save(sd, checkpoint_id=path)
+            if final:
+                pending.result()
+    last = args.warmup + args.steps
+    for n in range(1, args.warmup + args.steps + 1):
+        if n == args.warmup + 1:
+            sync(args.device)
+            if args.device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+        step(next(data))
+        if engine is not None:
+            engine.commit(n, source)
+        elif save is not None:
+            save(n)
+        if n > args.warmup + 2 and time.perf_counter() - t0 > args.max_seconds:
+            last = n  # too slow to finish in its time: timed over the steps it made
+            break
+    sync(args.device)
+    t_loop = time.perf_counter()
+    durable_at_loop_end = engine.durable_step if engine is not None else None
+    if engine is not None:
+        engine.end()
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, os.path.join(args.workdir, "final.pt"))
+    elif save is not None:
+        save(last, final=True)
+    t_end = time.perf_counter()
+    written, timed = dir_bytes(root) + (removed[0] if save is not None else 0), last - args.warmup
+    return {
+        "config": args.config, "batch": batch, "steps": timed, "params": sum(p.numel() for p in model.parameters()),
+        "loop_s": t_loop - t0, "total_s": t_end - t0, "s_per_step": (t_loop - t0) / timed,
+        "flush_s": t_end - t_loop, "rss_peak": rss_peak(),
+        "device_peak": torch.cuda.max_memory_allocated() if args.device == "cuda" else None,
+        "bytes_written": written, "bytes_per_step": written / last,
+        "not_durable_at_loop_end": None if engine is None else last - (durable_at_loop_end or 0),
+    }
+
+
+def restore(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    model, opt = build(args)
+    sync(args.device)
+    t0 = time.perf_counter()
+    if args.config == "diffckpt":
+        from diffckpt import CheckpointEngine
+
+        result = CheckpointEngine(os.path.join(args.workdir, "diffckpt")).resume(model, [opt])
+        sync(args.device)
+        seconds, steps = time.perf_counter() - t0, result.step
+        truth = torch.load(os.path.join(args.workdir, "final.pt"), map_location="cpu", weights_only=True)
+        exact = all(torch.equal(a.cpu(), b) for a, b in zip(model.state_dict().values(), truth["model"].values()))
+        exact = exact and all(torch.equal(a.cpu(), b) for a, b in zip(
+            [t for s in opt.state_dict()["state"].values() for t in s.values()],
+            [t for s in truth["optimizer"]["state"].values() for t in s.values()]))
+    else:
+        steps = args.steps_replayed
+        grads = [torch.randn_like(p) for p in model.parameters()]
+        sync(args.device)
+        t0 = time.perf_counter()
+        full = torch.load(os.path.join(args.workdir, "base0.pt"), map_location=args.device, weights_only=True)
+        model.load_state_dict(full["model"])
+        opt.load_state_dict(full["optimizer"])
+        del full
+        for _ in range(steps):
+            for p, g in zip(model.parameters(), grads):
+                p.grad = g
+            opt.step()
+        sync(args.device)
+        seconds, exact = time.perf_counter() - t0, None
+    return {"config": args.config, "seconds": seconds, "steps": steps, "exact": exact, "rss_peak": rss_peak(),
+            "device_peak": torch.cuda.max_memory_allocated() if args.device == "cuda" else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["train", "restore"])
+    ap.add_argument("config", choices=[*CONFIGS, "limit"])
+    ap.add_argument("--workdir", required=True)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--size", default="124m", choices=sorted(SIZES))
+    ap.add_argument("--batch", default="auto", help="sequences per step, or auto (see above)")
+    ap.add_argument("--target-ms", type=float, default=100.0)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--max-seconds", type=float, default=float("inf"),
+                    help="stop timing after this long (at least 3 steps), timed over the steps made")
+    ap.add_argument("--steps-replayed", type=int, default=0, help="restore limit: bare optimizer steps")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    out = train(args) if args.what == "train" else restore(args)
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
