@@ -119,6 +119,7 @@ def train(args: argparse.Namespace) -> None:
         full = os.path.join(os.path.dirname(args.out), "full.pt")
         torch.save({"model": state["model"], "optimizer": state["optimizer"]}, full)
         print(f"FULL_BYTES {os.path.getsize(full)}", flush=True)
+    accelerator.end_training()  # destroys the process group before the interpreter exits
 
 
 def make_codec(name: str):

@@ -100,6 +100,16 @@ def read_output(proc: subprocess.Popen[str], kill_at_step: int | None) -> list[s
     return lines
 
 
+def leave_process_group() -> None:
+    """Destroy the default process group, as torch asks of a training process before it exits.
+    Left to interpreter finalization, gloo's worker threads can abort the process after training
+    finished (SIGABRT, "terminate called without an active exception"), a failure at random."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def terminate_at_step(script: str, args: list[str], at_step: int, prefix: list[str] | None = None,
                       env: dict[str, str | None] | None = None, timeout: float = 120
                       ) -> tuple[int, str, int | None, int]:

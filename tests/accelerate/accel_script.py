@@ -142,6 +142,7 @@ def main() -> None:
     torch.save(state, args.out if rank == 0 else f"{args.out}.rank{rank}")
     accelerator.wait_for_everyone()
     print("DONE", flush=True)
+    accelerator.end_training()  # destroys the process group before the interpreter exits
 
 
 def final_state(accelerator, model, opt, sched, steps: int) -> dict:

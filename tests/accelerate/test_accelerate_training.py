@@ -96,7 +96,8 @@ def _kill_and_resume(config: str, tmp_path: Path, reference, kill_at: int | None
     return kill_at, resumed_from, log
 
 
-@pytest.mark.parametrize("config", ["accum_clip", "bf16", "ddp", "stateful"])
+# bf16 kill -9 and restore("last") also runs in make gpu-check's dry run (tests/test_gpu_check.py).
+@pytest.mark.parametrize("config", ["accum_clip", pytest.param("bf16", marks=pytest.mark.slow), "ddp", "stateful"])
 def test_kill9_then_restore_last_is_bitwise_identical(config, reference, tmp_path):
     _kill_and_resume(config, tmp_path, reference)
 
@@ -112,7 +113,7 @@ def test_auto_tuned_settings_kill9_then_restore_last_is_bitwise_identical(config
     assert first[0]["settings"]["every_n_steps"] >= 1 and first[0]["measurements"]["step_s"] > 0
 
 
-@pytest.mark.parametrize("config", ["compacted", "ddp_compacted"])
+@pytest.mark.parametrize("config", [pytest.param("compacted", marks=pytest.mark.slow), "ddp_compacted"])
 def test_background_compaction_kill9_then_restore_last_is_bitwise_identical(config, reference, tmp_path):
     """base_every_n_steps=None: after the starting base, every base is compacted in a background
     thread of process 0, retention keeps the last two, and the resume is exact on every rank."""

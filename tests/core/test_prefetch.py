@@ -314,6 +314,7 @@ def test_an_unstarted_reader_starts_no_thread(run: tuple[Path, Truth]) -> None:
 
 
 # --------------------------------------------------------------------------------- benchmark
+@pytest.mark.slow  # a benchmark's smoke run: its restores are the tests above, and make gpu-check's dry run times one
 def test_restore_benchmark_smoke_run(tmp_path: Path) -> None:
     """``bench/restore.py --quick`` trains, restores every chain (checked bitwise) and reports."""
     out = tmp_path / "restore.md"

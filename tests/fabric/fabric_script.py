@@ -96,4 +96,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from helpers import leave_process_group
+
     main()
+    leave_process_group()

@@ -285,4 +285,7 @@ if __name__ == "__main__":
     diff_log.addHandler(handler)
     diff_log.setLevel(logging.INFO)
     diff_log.propagate = False
+    from helpers import leave_process_group
+
     main(sys.argv[1:])
+    leave_process_group()

@@ -34,6 +34,10 @@ class Rows(torch.utils.data.Dataset):
 class Progress(TrainerCallback):
     def __init__(self, raise_at: int | None = None) -> None:
         self.raise_at = raise_at
+        self.began_at: int | None = None  # the step training began from (a resume's step)
+
+    def on_train_begin(self, args, state, control, **kw):
+        self.began_at = state.global_step
 
     def on_step_end(self, args, state, control, **kw):
         if state.is_world_process_zero:
@@ -75,7 +79,8 @@ def main() -> None:
         optim=a.optim, disable_tqdm=True, dataloader_num_workers=0,
         eval_strategy="epoch" if a.eval_epoch else "no", per_device_eval_batch_size=4,
         accelerator_config={"use_seedable_sampler": not a.unseeded_sampler}, **save)
-    callbacks: list = [Progress(a.raise_at)]
+    progress = Progress(a.raise_at)
+    callbacks: list = [progress]
     cb = None
     if a.dirpath:
         from transformers_ckpt import DiffCheckpointCallback
@@ -101,7 +106,7 @@ def main() -> None:
         resume = a.resume if os.path.isdir(a.resume) else cb.checkpoint("last" if a.resume == "last" else int(a.resume))
     trainer.train(resume_from_checkpoint=resume)
     if resume is not None and trainer.args.process_index == 0:
-        print(f"RESUMED {trainer._initial_global_step if cb is None else cb.resumed_step}", flush=True)
+        print(f"RESUMED {progress.began_at if cb is None else cb.resumed_step}", flush=True)
     rank = trainer.args.process_index
     opt = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
     final = {"model": {k: v.clone() for k, v in model.state_dict().items()}, "optimizer": opt.state_dict(),
@@ -117,4 +122,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from helpers import leave_process_group
+
     main()
+    leave_process_group()
