@@ -452,7 +452,8 @@ def size(n: float | None) -> str:
 
 def report(parts: list[Part], info: dict[str, Any]) -> str:
     lines = [f"# diffckpt GPU check{' (dry run on the CPU)' if info['dry'] else ''}", "",
-             f"{info['date']}, commit {info['commit']}, {info['seconds']:.0f} s in all.", "",
+             f"{info['date']}, commit {info['commit']}, {info['seconds']:.0f} s in all"
+             + (f"; {info['setup']}" if info["setup"] else "") + ".", "",
              "| part | outcome | seconds | what it found |", "|---|---|---:|---|"]
     lines += [f"| {p.name} | {p.status} | {p.seconds:.0f} | {p.summary.replace('|', '/')} |" for p in parts]
     by = {p.name: p for p in parts}

@@ -31,11 +31,17 @@ def parts(out: Path) -> dict[str, dict[str, Any]]:
     return {p["name"]: p for p in report["parts"]}
 
 
+def make_n(*args: str) -> list[str]:
+    """What ``make -n`` would run here (outside any make that runs this test)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    done = subprocess.run(["make", "--no-print-directory", "-n", *args], cwd=ROOT, capture_output=True, text=True,
+                          env=env)
+    return done.stdout.strip().splitlines()
+
+
 def test_the_makefile_target_runs_the_dry_check_with_the_projects_python() -> None:
-    dry = subprocess.run(["make", "-n", "gpu-check", "DRY=1"], cwd=ROOT, capture_output=True, text=True)
-    assert dry.stdout.strip().splitlines()[-1] == ".venv/bin/python bench/gpu_check.py --dry"
-    real = subprocess.run(["make", "-n", "gpu-check"], cwd=ROOT, capture_output=True, text=True)
-    assert real.stdout.strip() == "python3 bench/gpu_check.py"  # the GPU machine's own python3, no venv
+    assert make_n("gpu-check", "DRY=1")[-1] == ".venv/bin/python bench/gpu_check.py --dry"
+    assert make_n("gpu-check") == ["python3 bench/gpu_check.py"]  # the GPU machine's own python3, no venv
 
 
 def test_the_dry_run_goes_through_every_part_and_reports_each(tmp_path: Path) -> None:
