@@ -138,8 +138,20 @@ class Recorder:
             self.maintenance = Maintenance(
                 self.stream.storage, lambda: (writer.durable_step, self._last_base, writer.stats.bases),
                 compact_every_n_steps=o.compact_every_n_steps, retention=retention, device=o.compact_device,
-                collect_from=self.storage)
+                collect_from=self.storage,
+                settled=self._every_rank_based(gen, int((meta or {}).get("world_size", 1)))
+                if retention is not None and self.stream is not self.store else None)
         return gen
+
+    def _every_rank_based(self, gen: int, world: int) -> Any:
+        """Whether every rank's stream of sharded session ``gen`` has committed the newest base this
+        process wrote (bases are written at the same steps on every rank)."""
+        run = ShardedRun(self.storage)
+
+        def settled() -> bool:
+            newest = self._last_base
+            return all(any(b.gen == gen and b.step >= newest for b in inv.bases) for inv in run.inventories(world))
+        return settled
 
     def _context(self, step: int) -> StepContext:
         s = self.tuning.settings

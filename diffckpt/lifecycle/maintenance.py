@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,8 @@ __all__ = ["Maintenance"]
 
 log = logging.getLogger("diffckpt")
 NICE = 10  # the maintenance thread's nice value, relative to the default 0 of training
+SETTLE_S = 60.0  # the longest the last pass waits for the other ranks when close() has no timeout
+SETTLE_POLL_S = 0.05
 
 
 class Maintenance:
@@ -37,11 +40,16 @@ class Maintenance:
             newest base (``None``: never).
         retention: what to keep (``None``: delete nothing).
         device: where compaction replays.
+        settled: for the process that collects a sharded run's garbage: whether every rank's
+            stream has committed this session's newest base. The last retention pass at
+            :meth:`close` waits for it (up to close's timeout), so that a finished job leaves every
+            stream trimmed alike and not only those whose writers happened to finish first.
     """
 
     def __init__(self, storage: Storage, progress: Callable[[], tuple[int | None, int, int]], *,
                  compact_every_n_steps: int | None, retention: RetentionPolicy | None,
-                 device: str = "cpu", collect_from: Storage | None = None) -> None:
+                 device: str = "cpu", collect_from: Storage | None = None,
+                 settled: Callable[[], bool] | None = None) -> None:
         self.store = RunStore(storage)
         # Retention runs over the run root (all rank streams of sharded training), compaction
         # over the stream this process writes.
@@ -56,6 +64,8 @@ class Maintenance:
         self._compacted = -1
         self._bases_seen = 0
         self._final = True
+        self.settled = settled
+        self._settle_by = 0.0  # time.monotonic() until which the last pass waits for ``settled``
         self._busy = False
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -70,6 +80,7 @@ class Maintenance:
         """Finish the job under way, run a last retention pass (unless not ``final``: training
         was interrupted and must exit soon) and stop, waiting at most ``timeout`` seconds."""
         self._final = final
+        self._settle_by = time.monotonic() + (SETTLE_S if timeout is None else timeout)
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout)
@@ -87,7 +98,9 @@ class Maintenance:
                 return
             self._busy = True
             try:
-                self.run_once(compaction=not final)
+                if final and self.settled is not None:
+                    self._await_settled()
+                self.run_once(compaction=not final, collect=final and self.settled is not None)
             except Exception as exc:  # never stops training; retried next time
                 self.errors.append(str(exc))
                 log.warning("diffckpt: background compaction/retention failed (training goes on; retried "
@@ -96,12 +109,25 @@ class Maintenance:
             if final:
                 return
 
-    def run_once(self, compaction: bool = True) -> None:
-        """One pass: compact if due, then collect garbage if a new base became durable."""
+    def _await_settled(self) -> None:
+        """Wait until ``settled`` holds or close's timeout passes; either way the pass runs (it
+        keeps whatever a stream still needs, so a rank that never catches up loses nothing)."""
+        while time.monotonic() < self._settle_by:
+            try:
+                if self.settled is not None and self.settled():
+                    return
+            except Exception as exc:  # a listing failed: collect what is known now
+                log.debug("diffckpt: could not tell whether every rank has its last base: %s", exc)
+                return
+            time.sleep(SETTLE_POLL_S)
+
+    def run_once(self, compaction: bool = True, collect: bool = False) -> None:
+        """One pass: compact if due, then collect garbage if a new base became durable (or
+        ``collect``)."""
         durable, newest_base, committed = self.progress()
         if durable is None:
             return
-        collect = committed != self._bases_seen
+        collect = collect or committed != self._bases_seen
         self._bases_seen = committed
         n = self.compact_every_n_steps
         if compaction and n is not None and durable - max(newest_base, self._compacted) >= n:

@@ -264,3 +264,33 @@ def test_maintenance_close_runs_a_last_pass_unless_interrupted(run: tuple[Path, 
     assert [c["bases"] for c in normal.collections] == [3]
     assert [b.step for b in _inv(root).bases] == [30, 40]
     _restorable(root, truth, [30, 40])
+
+
+def test_the_last_pass_waits_for_every_rank_to_have_its_last_base(run: tuple[Path, dict[int, Any]]) -> None:
+    """A sharded job's last retention pass (rank 0's) waits for the other ranks' streams to commit
+    the last base, so that every stream is trimmed alike; past close's timeout it collects anyway."""
+    import threading
+
+    from diffckpt.lifecycle.maintenance import Maintenance
+
+    root, truth = run
+    policy = RetentionPolicy(keep_last_bases=2)
+    ready, seen = threading.Event(), []
+
+    def settled() -> bool:  # the other ranks catch up 0.3 s after close()
+        seen.append(len(_inv(root).bases))
+        return ready.is_set()
+
+    waiting = Maintenance(open_storage(root), lambda: (40, 40, 5), compact_every_n_steps=None,
+                          retention=policy, settled=settled)
+    threading.Timer(0.3, ready.set).start()
+    waiting.close(5.0)
+    assert ready.is_set() and len(seen) > 1 and set(seen) == {5}  # it polled, deleting nothing meanwhile
+    assert [c["bases"] for c in waiting.collections] == [3]  # then collected
+    assert [b.step for b in _inv(root).bases] == [30, 40]
+    never = Maintenance(open_storage(root), lambda: (40, 40, 5), compact_every_n_steps=None,
+                        retention=policy, settled=lambda: False)
+    start = time.monotonic()
+    never.close(0.5)
+    assert 0.4 < time.monotonic() - start < 5 and never.collections == []  # nothing left to delete
+    _restorable(root, truth, [30, 40])
