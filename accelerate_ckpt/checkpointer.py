@@ -26,11 +26,12 @@ from diffckpt.codecs import Codec
 from diffckpt.errors import DiffCkptError
 from diffckpt.loop import LoopCheckpointer, check_log_every
 from diffckpt.options import (
-    DEFAULT_BASE_EVERY_N_STEPS,
-    DEFAULT_EVERY_N_STEPS,
-    DEFAULT_WRITE_BATCH,
+    NOT_GIVEN_BASE_EVERY_N_STEPS,
+    NOT_GIVEN_EVERY_N_STEPS,
+    NOT_GIVEN_WRITE_BATCH,
     Auto,
     CheckpointOptions,
+    NotGiven,
     merge_options,
 )
 from diffckpt.replay import ReplayResult
@@ -77,8 +78,8 @@ class DiffCheckpointer(LoopCheckpointer):
     """
 
     def __init__(self, accelerator: Accelerator, dirpath: str | os.PathLike[str], *, model: Any = None,
-                 every_n_steps: int | Auto = DEFAULT_EVERY_N_STEPS, write_batch: int | Auto = DEFAULT_WRITE_BATCH,
-                 base_every_n_steps: int | Auto | None = DEFAULT_BASE_EVERY_N_STEPS,
+                 every_n_steps: int | Auto | NotGiven = NOT_GIVEN_EVERY_N_STEPS, write_batch: int | Auto | NotGiven = NOT_GIVEN_WRITE_BATCH,
+                 base_every_n_steps: int | Auto | NotGiven | None = NOT_GIVEN_BASE_EVERY_N_STEPS,
                  options: CheckpointOptions | None = None, storage_options: dict[str, Any] | None = None,
                  codec: Codec | None = None, log_every_n_steps: int = 50, **legacy: Any) -> None:
         url = os.fspath(dirpath)

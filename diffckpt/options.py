@@ -12,7 +12,8 @@ from .storage.retry import RetryPolicy
 from .tuning.model import AUTO, TuningOptions
 
 __all__ = ["DEFAULT_BASE_EVERY_N_STEPS", "DEFAULT_EVERY_N_STEPS", "DEFAULT_FINGERPRINT_EVERY_N_STEPS",
-           "DEFAULT_WRITE_BATCH", "Auto", "CheckpointOptions", "merge_options"]
+           "DEFAULT_WRITE_BATCH", "NOT_GIVEN_BASE_EVERY_N_STEPS", "NOT_GIVEN_EVERY_N_STEPS",
+           "NOT_GIVEN_WRITE_BATCH", "Auto", "CheckpointOptions", "NotGiven", "merge_options"]
 
 Auto = Literal["auto"]
 """A knob left to the auto-tuner."""
@@ -23,6 +24,23 @@ DEFAULT_EVERY_N_STEPS = 1
 DEFAULT_WRITE_BATCH = 8
 DEFAULT_BASE_EVERY_N_STEPS = 500
 DEFAULT_FINGERPRINT_EVERY_N_STEPS = 50
+
+
+@dataclass(frozen=True)
+class NotGiven:
+    """The value of an adapter's keyword its caller left out: ``options=`` decides, else the
+    default. It shows as the default in signatures and ``help()``."""
+
+    default: int
+
+    def __repr__(self) -> str:
+        return repr(self.default)
+
+
+# The adapters' keyword defaults: told apart from the same value given explicitly, which wins.
+NOT_GIVEN_EVERY_N_STEPS = NotGiven(DEFAULT_EVERY_N_STEPS)
+NOT_GIVEN_WRITE_BATCH = NotGiven(DEFAULT_WRITE_BATCH)
+NOT_GIVEN_BASE_EVERY_N_STEPS = NotGiven(DEFAULT_BASE_EVERY_N_STEPS)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,11 +155,12 @@ class CheckpointOptions:
 
 
 def merge_options(options: CheckpointOptions | None, legacy: dict[str, Any], *,
-                  every_n_steps: int | Auto, write_batch: int | Auto,
-                  base_every_n_steps: int | Auto | None) -> CheckpointOptions:
+                  every_n_steps: int | Auto | NotGiven, write_batch: int | Auto | NotGiven,
+                  base_every_n_steps: int | Auto | NotGiven | None) -> CheckpointOptions:
     """The options of an adapter built with the three knobs as keywords and ``options``.
 
-    A knob left at its default takes the value in ``options``. ``legacy`` holds further
+    A knob given as a keyword wins, whatever its value (the default's too); one left out
+    (:class:`NotGiven`) takes the value in ``options``, else the default. ``legacy`` holds further
     :class:`CheckpointOptions` fields given as keyword arguments, the spelling before
     ``options=`` existed: still accepted, with a :class:`DeprecationWarning` naming the new one.
     """
@@ -157,7 +176,5 @@ def merge_options(options: CheckpointOptions | None, legacy: dict[str, Any], *,
                       DeprecationWarning, stacklevel=3)
     base = dataclasses.replace(options, **legacy) if options is not None else CheckpointOptions(**legacy)
     knobs = {"every_n_steps": every_n_steps, "write_batch": write_batch, "base_every_n_steps": base_every_n_steps}
-    defaults = {"every_n_steps": DEFAULT_EVERY_N_STEPS, "write_batch": DEFAULT_WRITE_BATCH,
-                "base_every_n_steps": DEFAULT_BASE_EVERY_N_STEPS}
-    given: dict[str, Any] = {k: v for k, v in knobs.items() if v != defaults[k]}
+    given: dict[str, Any] = {k: v for k, v in knobs.items() if not isinstance(v, NotGiven)}
     return dataclasses.replace(base, **given) if given else base

@@ -23,11 +23,12 @@ from diffckpt.codecs.compressor import GradientCompressor
 from diffckpt.engine import CheckpointEngine
 from diffckpt.errors import DiffCkptError
 from diffckpt.options import (
-    DEFAULT_BASE_EVERY_N_STEPS,
-    DEFAULT_EVERY_N_STEPS,
-    DEFAULT_WRITE_BATCH,
+    NOT_GIVEN_BASE_EVERY_N_STEPS,
+    NOT_GIVEN_EVERY_N_STEPS,
+    NOT_GIVEN_WRITE_BATCH,
     Auto,
     CheckpointOptions,
+    NotGiven,
     merge_options,
 )
 from diffckpt.rng import get_rng_state, set_rng_state
@@ -68,9 +69,9 @@ class DiffCheckpoint(ModelCheckpoint):
     Use with ``plugins=[DiffCheckpointIO()]`` and resume with ``Trainer.fit(ckpt_path="last")``.
     """
 
-    def __init__(self, dirpath: str | os.PathLike[str], *, every_n_steps: int | Auto = DEFAULT_EVERY_N_STEPS,
-                 write_batch: int | Auto = DEFAULT_WRITE_BATCH,
-                 base_every_n_steps: int | Auto | None = DEFAULT_BASE_EVERY_N_STEPS,
+    def __init__(self, dirpath: str | os.PathLike[str], *, every_n_steps: int | Auto | NotGiven = NOT_GIVEN_EVERY_N_STEPS,
+                 write_batch: int | Auto | NotGiven = NOT_GIVEN_WRITE_BATCH,
+                 base_every_n_steps: int | Auto | NotGiven | None = NOT_GIVEN_BASE_EVERY_N_STEPS,
                  options: CheckpointOptions | None = None, storage_options: dict[str, Any] | None = None,
                  codec: Codec | None = None, **legacy: Any) -> None:
         refuse_model_checkpoint_keywords(legacy)

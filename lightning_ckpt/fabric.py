@@ -24,11 +24,12 @@ from diffckpt.capture import check_replayable
 from diffckpt.errors import DiffCkptError, IncompatibleCheckpointError
 from diffckpt.loop import LoopCheckpointer, check_log_every
 from diffckpt.options import (
-    DEFAULT_BASE_EVERY_N_STEPS,
-    DEFAULT_EVERY_N_STEPS,
-    DEFAULT_WRITE_BATCH,
+    NOT_GIVEN_BASE_EVERY_N_STEPS,
+    NOT_GIVEN_EVERY_N_STEPS,
+    NOT_GIVEN_WRITE_BATCH,
     Auto,
     CheckpointOptions,
+    NotGiven,
     merge_options,
 )
 from diffckpt.rng import get_rng_state
@@ -72,9 +73,9 @@ class FabricCheckpointer(LoopCheckpointer):
     """
 
     def __init__(self, fabric: Fabric, dirpath: str | os.PathLike[str], *, model: Any, optimizers: Any,
-                 schedulers: Any = (), every_n_steps: int | Auto = DEFAULT_EVERY_N_STEPS,
-                 write_batch: int | Auto = DEFAULT_WRITE_BATCH,
-                 base_every_n_steps: int | Auto | None = DEFAULT_BASE_EVERY_N_STEPS,
+                 schedulers: Any = (), every_n_steps: int | Auto | NotGiven = NOT_GIVEN_EVERY_N_STEPS,
+                 write_batch: int | Auto | NotGiven = NOT_GIVEN_WRITE_BATCH,
+                 base_every_n_steps: int | Auto | NotGiven | None = NOT_GIVEN_BASE_EVERY_N_STEPS,
                  options: CheckpointOptions | None = None, storage_options: dict[str, Any] | None = None,
                  log_every_n_steps: int = 50, **legacy: Any) -> None:
         check_supported(fabric)

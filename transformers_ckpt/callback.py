@@ -31,11 +31,12 @@ from diffckpt.capture import check_replayable
 from diffckpt.engine import CheckpointEngine
 from diffckpt.errors import CheckpointNotFoundError, CorruptRecordError, DiffCkptError
 from diffckpt.options import (
-    DEFAULT_BASE_EVERY_N_STEPS,
-    DEFAULT_EVERY_N_STEPS,
-    DEFAULT_WRITE_BATCH,
+    NOT_GIVEN_BASE_EVERY_N_STEPS,
+    NOT_GIVEN_EVERY_N_STEPS,
+    NOT_GIVEN_WRITE_BATCH,
     Auto,
     CheckpointOptions,
+    NotGiven,
     merge_options,
 )
 from diffckpt.preemption import StopSignal
@@ -78,9 +79,9 @@ class DiffCheckpointCallback(TrainerCallback):
         storage_options: fsspec options (credentials, endpoint).
     """
 
-    def __init__(self, dirpath: str | os.PathLike[str], *, every_n_steps: int | Auto = DEFAULT_EVERY_N_STEPS,
-                 write_batch: int | Auto = DEFAULT_WRITE_BATCH,
-                 base_every_n_steps: int | Auto | None = DEFAULT_BASE_EVERY_N_STEPS,
+    def __init__(self, dirpath: str | os.PathLike[str], *, every_n_steps: int | Auto | NotGiven = NOT_GIVEN_EVERY_N_STEPS,
+                 write_batch: int | Auto | NotGiven = NOT_GIVEN_WRITE_BATCH,
+                 base_every_n_steps: int | Auto | NotGiven | None = NOT_GIVEN_BASE_EVERY_N_STEPS,
                  options: CheckpointOptions | None = None, storage_options: dict[str, Any] | None = None) -> None:
         self.url = os.fspath(dirpath)
         self.options = merge_options(options, {}, every_n_steps=every_n_steps, write_batch=write_batch,
