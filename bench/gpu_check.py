@@ -8,7 +8,7 @@ then runs five parts, each even if an earlier one failed, each bounded in time:
 1. ``environment``: the device, the packages, and each declared version range of pyproject.toml
    against what is installed;
 2. ``cuda-tests``: the test modules that hold tests marked ``cuda`` (skipped everywhere else),
-   the staging test under ``torch.cuda.set_sync_debug_mode("error")`` among them;
+   among them training recorded every step under ``torch.cuda.set_sync_debug_mode``;
 3. ``kill-resume``: training killed with SIGKILL and resumed, compared with ``torch.equal`` on
    every tensor against a run that never imported diffckpt (``bench/gpu_runs.py``): a plain loop
    over ``CheckpointEngine`` with AdamW's default, foreach and fused implementations, Lightning
@@ -59,7 +59,9 @@ NEEDED = {  # import name -> distribution, for everything the parts import
     "accelerate": "accelerate", "transformers": "transformers", "pytest": "pytest",
 }
 PARTS = ["environment", "cuda-tests", "kill-resume", "overhead", "restore"]
-ALLOTTED = {"environment": 30, "cuda-tests": 90, "kill-resume": 150, "overhead": 150, "restore": 60}  # of 480 s
+# What each part may count on, of 480 s: a part may use what earlier parts left, never what the
+# parts after it are counting on (budget()).
+ALLOTTED = {"environment": 30, "cuda-tests": 90, "kill-resume": 150, "overhead": 150, "restore": 60}
 
 
 @dataclass
@@ -78,9 +80,15 @@ class Settings:
     workdir: str
     deadline: float  # time.monotonic() by which everything must end
     env: dict[str, str]
+    plan: list[str] = field(default_factory=list)  # the parts to run, in order
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
+
+    def budget(self, name: str) -> float:
+        """Seconds part ``name`` may take: what is left, less what the parts after it count on."""
+        later = self.plan[self.plan.index(name) + 1:] if name in self.plan else []
+        return max(1.0, self.left() - sum(ALLOTTED[p] for p in later))
 
 
 # ------------------------------------------------------------------------------ child processes
@@ -117,7 +125,7 @@ def run_child(cmd: list[str], env: dict[str, str], timeout: float, kill_at_step:
     timer = threading.Timer(max(timeout, 1.0), expire)
     timer.start()
     try:
-        lines = read_output(proc, kill_at_step)
+        lines = read_output(proc, kill_at_step, drain=True)
         rc: int | None = proc.wait()
     finally:
         timer.cancel()
@@ -168,18 +176,17 @@ def environment(s: Settings, part: Part) -> None:
     d["torch"] = torch.__version__
     d["cuda"] = torch.version.cuda
     d["cpus"] = os.cpu_count()
-    if s.device == "cuda":
-        props = torch.cuda.get_device_properties(0)
-        d["device"] = f"{props.name}, {props.total_memory / 2**30:.0f} GiB, compute capability {props.major}.{props.minor}"
-        d["driver"] = driver_version()
-    else:
-        d["device"] = "cpu (dry run)"
+    # nvidia-smi, not torch: this process creates no CUDA context (in exclusive-process compute
+    # mode one would lock every training child out of the device).
+    d["device"] = gpu_description() if s.device == "cuda" else "cpu (dry run)"
+    d["disk_free"] = shutil.disk_usage(s.workdir).free
     d["floors"] = floors()
     missing = [name for name in NEEDED if importlib.util.find_spec(name) is None]
     d["missing"] = missing
     outside = [f"{r['package']} {r['installed'] or 'missing'} (declared {r['declared']})"
                for r in d["floors"] if not r["within"]]
-    part.summary = f"{d['device']}; torch {d['torch']}, CUDA {d['cuda']}, Python {d['python']}"
+    part.summary = (f"{d['device']}; torch {d['torch']}, CUDA {d['cuda']}, Python {d['python']}; "
+                    f"{size(d['disk_free'])} free for the runs")
     if outside:
         part.summary += "; outside the declared ranges: " + ", ".join(outside)
     if missing:
@@ -190,13 +197,15 @@ def environment(s: Settings, part: Part) -> None:
         part.status = "passed"
 
 
-def driver_version() -> str | None:
+def gpu_description() -> str:
+    """Name, memory, driver and compute mode of the first GPU, as nvidia-smi reports them."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,compute_mode",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+        name, memory, driver, mode = (f.strip() for f in out.stdout.splitlines()[0].split(","))
+        return f"{name}, {memory}, driver {driver}, compute mode {mode}"
+    except (OSError, subprocess.SubprocessError, IndexError, ValueError):
+        return "a CUDA device (nvidia-smi did not answer)"
 
 
 # ------------------------------------------------------------------------------- 2. CUDA tests
@@ -219,8 +228,9 @@ def cuda_tests(s: Settings, part: Part) -> None:
     xml = os.path.join(s.workdir, "cuda-tests.xml")
     # Every test of those modules: the CPU ones too, since the machine's Python is not CI's (3.12:
     # leases depend on reference counts).
-    child = run_child([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
-                       f"--junitxml={xml}", *files], s.env, min(ALLOTTED[part.name], s.left()))
+    child = run_child([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-rs",
+                       "-o", "faulthandler_timeout=60",
+                       f"--junitxml={xml}", *files], s.env, s.budget(part.name))
     d = part.details
     d["files"] = files
     if not os.path.exists(xml):
@@ -252,7 +262,7 @@ def kill_resume(s: Settings, part: Part) -> None:
 
     steps = 12 if s.dry else 40
     kill_at = steps // 2 + 3
-    timeout = min(ALLOTTED[part.name], s.left())
+    timeout = s.budget(part.name)
     part.details["steps"], part.details["kill_at"] = steps, kill_at
     todo = [sc for sc in SCENARIOS if s.device == "cuda" or sc not in CUDA_ONLY]
 
@@ -281,8 +291,10 @@ def kill_resume(s: Settings, part: Part) -> None:
             return {**row, "status": "failed", "note": f"the resumed run failed: {resumed.tail()}"}
         starts = resumed.lines("START ")
         row["resumed_from"] = int(starts[0]) if starts else None
-        if row["resumed_from"] is not None:
-            row["steps_lost"] = row["killed_at"] - row["resumed_from"]
+        if row["resumed_from"] is None or row["killed_at"] >= steps:
+            return {**row, "status": "failed", "note": "the kill came too late or the resume printed no START "
+                    f"line: nothing was tested ({resumed.tail(300)})"}
+        row["steps_lost"] = row["killed_at"] - row["resumed_from"]
         problem, row["tensors"] = compare(out["reference"], out["resumed"])
         if problem is None:
             return {**row, "status": "passed", "note": "bitwise equal"}
@@ -335,8 +347,8 @@ def scale_args(s: Settings) -> list[str]:
     if s.dry:
         return ["--device", "cpu", "--size", "tiny", "--warmup", "2", "--steps", "6"]
     # A configuration that cannot keep up (DCP every step writes 1.5 GB a step at this size) stops
-    # timing after 25 s, so that the part keeps to its time.
-    return ["--device", "cuda", "--size", "124m", "--warmup", "5", "--steps", "30", "--max-seconds", "25"]
+    # timing after 20 s, so that the part keeps to its time.
+    return ["--device", "cuda", "--size", "124m", "--warmup", "5", "--steps", "20", "--max-seconds", "20"]
 
 
 def result_of(child: Child, what: str) -> dict[str, Any]:
@@ -349,13 +361,14 @@ def result_of(child: Child, what: str) -> dict[str, Any]:
 def overhead(s: Settings, part: Part) -> None:
     from gpu_scale import CONFIGS
 
-    end = time.monotonic() + min(ALLOTTED[part.name], s.left())
+    end = time.monotonic() + s.budget(part.name)
     runs: dict[str, dict[str, Any]] = {}
     errors: dict[str, str] = {}
     batch = "4" if s.dry else "auto"
-    for config in CONFIGS:  # "none" first: it picks the batch the others use
+    for i, config in enumerate(CONFIGS):  # "none" first: it picks the batch the others use
+        share = (end - time.monotonic()) / (len(CONFIGS) - i)  # a slow one cannot starve the next
         child = run_child(python("gpu_scale.py", "train", config, "--workdir", s.workdir, "--batch", batch,
-                                 *scale_args(s)), s.env, max(1.0, end - time.monotonic()))
+                                 *scale_args(s)), s.env, max(1.0, share))
         try:
             runs[config] = result_of(child, config)
             batch = str(runs[config]["batch"])
@@ -384,7 +397,7 @@ def restore(s: Settings, part: Part) -> None:
     if not os.path.exists(os.path.join(s.workdir, "final.pt")):
         part.status, part.summary = "failed", "nothing to restore: the overhead part's diffckpt run did not finish"
         return
-    end = time.monotonic() + min(ALLOTTED[part.name], s.left())
+    end = time.monotonic() + s.budget(part.name)
     ours = result_of(run_child(python("gpu_scale.py", "restore", "diffckpt", "--workdir", s.workdir, *scale_args(s)),
                                s.env, max(1.0, end - time.monotonic())), "restore")
     limit = result_of(run_child(python("gpu_scale.py", "restore", "limit", "--workdir", s.workdir,
@@ -426,9 +439,18 @@ def install_wheels(wheels: str) -> str | None:
         os.path.basename(f).lower().startswith(m.lower() + "-") for m in missing)]
     if not missing or not files:
         return None
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                    "--upgrade", "--target", SITE, *files], check=True)
-    return "installed from wheels: " + ", ".join(os.path.basename(f) for f in files)
+    names = ", ".join(os.path.basename(f) for f in files)
+    try:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                        "--upgrade", "--target", SITE, *files], check=True)
+    except (OSError, subprocess.CalledProcessError) as exc:  # no pip there: a wheel is a zip to unpack
+        import zipfile
+
+        for f in files:
+            with zipfile.ZipFile(f) as wheel:
+                wheel.extractall(SITE)
+        return f"unpacked from wheels (pip failed: {exc}): {names}"
+    return "installed from wheels: " + names
 
 
 def fetch_wheels(dest: str) -> int:
@@ -496,6 +518,13 @@ def report(parts: list[Part], info: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_report(out: str, parts: list[Part], info: dict[str, Any]) -> None:
+    with open(os.path.join(out, "gpu-check.md"), "w") as f:
+        f.write(report(parts, info))
+    with open(os.path.join(out, "gpu-check.json"), "w") as f:
+        json.dump({**info, "parts": [asdict(p) for p in parts]}, f, indent=1, default=str)
+
+
 def commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
@@ -534,23 +563,21 @@ def main() -> int:
                                                        os.environ.get("PYTHONPATH", "")) if p]))
     workdir = args.workdir or tempfile.mkdtemp(prefix="diffckpt-gpu-check-")
     os.makedirs(workdir, exist_ok=True)
-    s = Settings("cpu" if args.dry else "cuda", args.dry, workdir, began + args.budget, env)
     parts = [Part(name) for name in PARTS if name in args.parts.split(",")]
+    s = Settings("cpu" if args.dry else "cuda", args.dry, workdir, began + args.budget, env, [p.name for p in parts])
+    info = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit(), "dry": args.dry,
+            "seconds": 0.0, "setup": installed}
+    os.makedirs(args.out, exist_ok=True)
     try:
         for part in parts:
             print(f"gpu-check: {part.name} ...", flush=True)
             run_part(s, part)
             print(f"gpu-check: {part.name}: {part.status} ({part.seconds:.0f} s) {part.summary}", flush=True)
+            info["seconds"] = time.monotonic() - began
+            write_report(args.out, parts, info)  # after each part: a run cut short keeps what it found
     finally:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
-    info = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit(), "dry": args.dry,
-            "seconds": time.monotonic() - began, "setup": installed}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "gpu-check.md"), "w") as f:
-        f.write(report(parts, info))
-    with open(os.path.join(args.out, "gpu-check.json"), "w") as f:
-        json.dump({**info, "parts": [asdict(p) for p in parts]}, f, indent=1, default=str)
     failed = [p.name for p in parts if p.status == "failed"]
     print("\n" + "\n".join(f"{p.name:12} {p.status:8} {p.summary}" for p in parts))
     print(f"\ngpu-check: {'FAILED: ' + ', '.join(failed) if failed else 'every part passed or was skipped'}; "

@@ -8,8 +8,9 @@ checkpoints every step through the scenario's integration, resumes from ``last``
 root holds a durable step, and prints ``START <step>`` and ``STEP <n>`` lines (the parent kills it
 with SIGKILL at a step it chose). Either way it saves its final state to ``--out``.
 
-Scenarios: ``plain-adamw`` / ``plain-foreach`` / ``plain-fused`` (a hand-written loop over
-``CheckpointEngine``, AdamW with its default, foreach and fused implementations),
+Scenarios: ``plain-single`` / ``plain-foreach`` / ``plain-fused`` (a hand-written loop over
+``CheckpointEngine``, AdamW's single-tensor, foreach and fused implementations; its default is
+foreach on CUDA and single-tensor on the CPU),
 ``lightning-bf16`` / ``lightning-16`` (``Trainer`` with ``bf16-mixed``, and ``16-mixed`` with its
 gradient scaler), ``accelerate`` (``Accelerator(mixed_precision="bf16")`` and
 ``accelerate_ckpt.DiffCheckpointer``).
@@ -29,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts: cuBLAS is deterministic
 
-SCENARIOS = ["plain-adamw", "plain-foreach", "plain-fused", "lightning-bf16", "lightning-16", "accelerate"]
+SCENARIOS = ["plain-single", "plain-foreach", "plain-fused", "lightning-bf16", "lightning-16", "accelerate"]
 CUDA_ONLY = {"lightning-16": "16-mixed (fp16 with a gradient scaler) runs only on CUDA"}
 SIZE = "tiny"  # gpt.py's preset: the check is about exactness, not speed
 
@@ -61,7 +62,7 @@ def plain(args: argparse.Namespace) -> dict[str, Any]:
 
     impl = args.scenario.split("-")[1]
     model = GPT(SIZE, total_steps=args.steps).to(args.device)
-    flags = {"adamw": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}[impl]
+    flags = {"single": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[impl]
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, **flags)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
     cfg = model.cfg

@@ -86,15 +86,18 @@ def run_script(script: str, args: list[str], kill_at_step: int | None = None, ti
     return rc, "".join(lines)
 
 
-def read_output(proc: subprocess.Popen[str], kill_at_step: int | None) -> list[str]:
+def read_output(proc: subprocess.Popen[str], kill_at_step: int | None, drain: bool = False) -> list[str]:
     """The lines ``proc`` prints until it ends or, with ``kill_at_step``, until it prints
-    ``STEP <n>`` with ``n >= kill_at_step``, when it is killed with every descendant."""
+    ``STEP <n>`` with ``n >= kill_at_step``, when it is killed with every descendant; with
+    ``drain``, also what it had printed before it died and was not read yet (its last step)."""
     lines = []
     assert proc.stdout is not None
     for line in proc.stdout:
         lines.append(line)
         if kill_at_step is not None and line.startswith("STEP ") and int(line.split()[1]) >= kill_at_step:
             kill_tree(proc.pid)
+            if drain:
+                lines += proc.stdout.readlines()
             break
     proc.stdout.close()
     return lines

@@ -59,7 +59,7 @@ def test_the_dry_run_goes_through_every_part_and_reports_each(tmp_path: Path) ->
     assert tests["failures"] == tests["errors"] == 0
     rows = {r["scenario"]: r for r in found["kill-resume"]["details"]["scenarios"]}
     assert rows.pop("lightning-16")["status"] == "skipped"  # fp16 with a scaler: CUDA only
-    assert set(rows) == {"plain-adamw", "plain-foreach", "plain-fused", "lightning-bf16", "accelerate"}
+    assert set(rows) == {"plain-single", "plain-foreach", "plain-fused", "lightning-bf16", "accelerate"}
     for row in rows.values():  # killed for real, resumed from an earlier durable step, every tensor equal
         assert row["status"] == "passed" and row["tensors"] > 50, row
         assert 0 < row["resumed_from"] <= row["killed_at"], row

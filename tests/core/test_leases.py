@@ -36,14 +36,16 @@ def batch(step: int, device: str) -> torch.Tensor:
 class Loop:
     """A training loop whose handling of gradients around the step is one of ``MODES``."""
 
-    def __init__(self, mode: str, device: str) -> None:
+    def __init__(self, mode: str, device: str, batches: dict[int, torch.Tensor] | None = None) -> None:
         self.mode, self.device = mode, device
+        self.batches = batches or {}  # made ahead (on the device), else each step's own
         self.model, self.opt = make(device)
         self.kept: list[torch.Tensor] = []
         self.flat: torch.Tensor | None = None
 
     def backward(self, step: int) -> None:
-        loss = self.model(batch(step, self.device)).pow(2).mean()
+        x = self.batches[step] if step in self.batches else batch(step, self.device)
+        loss = self.model(x).pow(2).mean()
         m, opt = self.mode, self.opt
         if m == "lightning":  # forward, then zero_grad, then backward (Lightning's closure)
             opt.zero_grad()
@@ -217,23 +219,42 @@ def test_host_records_pass_the_stage_untouched() -> None:
 
 @pytest.mark.cuda
 def test_capture_never_synchronises_the_training_stream(tmp_path: Path) -> None:
-    """With CUDA's sync debug mode set to error, an implicit synchronisation on any thread (a
-    blocking device-to-host copy, ``.item()``) raises: training records every step without one."""
-    loop = Loop("set_to_none", "cuda")
+    """With CUDA's sync debug mode on, every implicit synchronisation (a blocking device-to-host
+    copy, ``.item()``) is reported: none may come from the training thread while it records
+    every step. The mode is process-wide, and the writer thread waits for its own side stream by
+    design (``staging.py``), so the mode is "warn" and each report is attributed to its thread."""
+    import warnings
+
+    batches = {step: batch(step, "cuda") for step in range(1, STEPS + 1)}  # the test's own copies
+    loop = Loop("set_to_none", "cuda", batches)
     engine = CheckpointEngine(str(tmp_path), CheckpointOptions(write_batch=2, base_every_n_steps=None,
                                                                fingerprint_every_n_steps=None))
     engine.start(loop.model, [loop.opt], 0)
     engine.write_base(0, loop.model.state_dict(), [loop.opt.state_dict()], {"x": 0})
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for step in range(1, STEPS + 1):
-            loop.backward(step)
-            loop.opt.step()
-            loop.after_step(step)
-            engine.record_step(step, {"x": step})
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    reports: list[tuple[str, str]] = []
+    shown = warnings.showwarning
+
+    def attribute(message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
+        reports.append((threading.current_thread().name, str(message)))
+
+    training = threading.current_thread().name
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = attribute
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for step in range(1, STEPS + 1):
+                loop.backward(step)
+                loop.opt.step()
+                loop.after_step(step)
+                engine.record_step(step, {"x": step})
+            loop.model[0].weight.sum().item()  # a known synchronisation: the mode is on and reports
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = shown
+    synced = [text for thread, text in reports if thread == training and "synchroniz" in text]
+    assert len(synced) == 1, reports  # the .item() above, and nothing while the steps were recorded
     truth = {STEPS: untouched(loop.model, [loop.opt])}
     assert engine.close() == STEPS
     assert_bitwise_equal(truth[STEPS], restored(tmp_path, STEPS, "cuda"))
