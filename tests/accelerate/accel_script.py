@@ -142,7 +142,7 @@ def main() -> None:
     torch.save(state, args.out if rank == 0 else f"{args.out}.rank{rank}")
     accelerator.wait_for_everyone()
     print("DONE", flush=True)
-    accelerator.end_training()  # destroys the process group before the interpreter exits
+    accelerator.end_training()  # destroys the process group
 
 
 def final_state(accelerator, model, opt, sched, steps: int) -> dict:
@@ -161,4 +161,7 @@ def make_codec(name: str):
 
 
 if __name__ == "__main__":
+    from helpers import finish_process
+
     main()
+    finish_process()

@@ -154,7 +154,7 @@ if __name__ == "__main__":
     diff_log.addHandler(handler)
     diff_log.setLevel(logging.INFO)
     diff_log.propagate = False
-    from helpers import leave_process_group
+    from helpers import finish_process
 
     main(sys.argv[1:])
-    leave_process_group()
+    finish_process()

@@ -122,7 +122,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from helpers import leave_process_group
+    from helpers import finish_process
 
     main()
-    leave_process_group()
+    finish_process()
