@@ -27,7 +27,7 @@ __all__ = ["Maintenance"]
 log = logging.getLogger("diffckpt")
 NICE = 10  # the maintenance thread's nice value, relative to the default 0 of training
 SETTLE_S = 60.0  # the longest the last pass waits for the other ranks when close() has no timeout
-SETTLE_POLL_S = 0.05
+SETTLE_POLL_S = 0.25  # each poll lists every rank's stream: on object stores, LIST requests
 
 
 class Maintenance:
@@ -112,9 +112,10 @@ class Maintenance:
     def _await_settled(self) -> None:
         """Wait until ``settled`` holds or close's timeout passes; either way the pass runs (it
         keeps whatever a stream still needs, so a rank that never catches up loses nothing)."""
-        while time.monotonic() < self._settle_by:
+        settled = self.settled
+        while settled is not None and time.monotonic() < self._settle_by:
             try:
-                if self.settled is not None and self.settled():
+                if settled():
                     return
             except Exception as exc:  # a listing failed: collect what is known now
                 log.debug("diffckpt: could not tell whether every rank has its last base: %s", exc)
