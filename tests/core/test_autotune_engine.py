@@ -32,6 +32,10 @@ def _train_auto(root: Path | Any, steps: int, drive: Any = _review_when_due, **o
     engine.start(module, optimizers, 0)
     truth = {0: snapshot(module, optimizers, 0)}
     engine.write_base(0, module.state_dict(), [o.state_dict() for o in optimizers], {"x": 0})
+    # The tuner decides once a write and a base are timed. Steps of this model take a millisecond:
+    # on a loaded machine a whole run could end before the writer thread wrote the starting base
+    # and the probe, and no review would find enough measured.
+    engine.flush()
     train_steps(engine, module, optimizers, 1, steps, truth, every=None, before_record=drive)
     engine.close()
     return engine, truth

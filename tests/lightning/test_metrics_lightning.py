@@ -39,8 +39,9 @@ def test_metrics_reach_a_csv_logger_at_its_frequency(tmp_path: Path) -> None:
     on_disk += sum((b / "state.safetensors").stat().st_size for b in (root / "bases").iterdir())
     for r in rows:
         step = int(r["step"])
-        # Absent (an empty cell) only until the writer made the starting base durable.
-        if r["diffckpt/durable_step"] or r["diffckpt/durability_lag_steps"]:
+        # Absent (an empty cell, or no column at all when no logged step had one) only until the
+        # writer made the starting base durable, which a loaded machine may not do in 12 steps.
+        if r.get("diffckpt/durable_step") or r.get("diffckpt/durability_lag_steps"):
             durable = float(r["diffckpt/durable_step"])
             assert 0 <= durable <= step and float(r["diffckpt/durability_lag_steps"]) == step - durable
         assert 0 <= float(r["diffckpt/queue_fill"]) <= 1
