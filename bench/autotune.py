@@ -209,7 +209,7 @@ def run_once(config: tuple, args: argparse.Namespace, steps: int, warmup: int,
         storage = ProbeStorage(inner, args.latency if args.backend == "slow" else 0.0)
         engine = CheckpointEngine(storage, options_for(config, args.base_every))
         engine.start(model, [opt], 0)
-        writer = engine.writer  # its stats stay readable after close()
+        writer = engine.recorder.writer  # its stats stay readable after close()
         engine.write_base(0, model.state_dict(), [opt.state_dict()], state_of(0, sched))
     step_end: dict[int, float] = {}
     in_engine = in_review = hooks = 0.0
@@ -226,14 +226,14 @@ def run_once(config: tuple, args: argparse.Namespace, steps: int, warmup: int,
             if engine is None:
                 continue
             step_end[step], cpu_in = time.perf_counter(), time.thread_time()
-            assert engine.capture is not None
-            hooks += engine.capture.copy_s  # gradient copies in the optimizer's step hook
-            if engine.review_due(step):
-                engine.review(step)
+            assert engine.recorder.capture is not None
+            hooks += engine.recorder.capture.copy_s  # gradient copies in the optimizer's step hook
+            if engine.recorder.review_due(step):
+                engine.recorder.review(step)
                 in_review += time.thread_time() - cpu_in
                 reviews += 1
             wants_base = engine.wants_base(step)
-            with engine.measuring_state():
+            with engine.recorder.measuring_state():
                 state = state_of(step, sched) if wants_base or engine.wants_state(step) else None
             engine.record_step(step, state)
             if wants_base:
@@ -249,13 +249,13 @@ def run_once(config: tuple, args: argparse.Namespace, steps: int, warmup: int,
                                "in_review": in_review, "reviews": reviews}
         if engine is None or storage is None or writer is None:
             return out
-        changed = max([d["step"] for d in engine.tuning.decisions], default=0)
+        changed = max([d["step"] for d in engine.recorder.tuning.decisions], default=0)
         lags = [t - step_end[s] for s, t in sorted(storage.durable_at.items())
                 if s in step_end and s > max(warmup, changed)]
-        meter = engine.tuning.meter
+        meter = engine.recorder.tuning.meter
         out.update(
             stall=writer.stats.stall_seconds, settings=engine.settings,
-            decisions=list(engine.tuning.decisions), last_review=engine.tuning.last_review,
+            decisions=list(engine.recorder.tuning.decisions), last_review=engine.recorder.tuning.last_review,
             update_s=None if meter is None else meter.update_s.get(),
             lags=lags, durable_steps=sorted(storage.durable_at), bytes=dict(storage.bytes),
             base_sizes=dict(storage.base_sizes),
@@ -264,7 +264,7 @@ def run_once(config: tuple, args: argparse.Namespace, steps: int, warmup: int,
             out.update(time_restore(args, steps, storage, sorted(storage.durable_at)))
         return out
     finally:
-        if engine is not None and engine.writer is not None:
+        if engine is not None and engine.recorder.writer is not None:
             with contextlib.suppress(Exception):
                 engine.close()
         if cleanup is not None:
@@ -429,7 +429,7 @@ def render(rows: list[dict[str, Any]], results: dict[tuple, list[dict[str, Any]]
         lines.append(f"- MTBF {m}: best fixed is {bf['label']} with {pct(bf['J'][m])} "
                      f"[{bd['label']} with {pct(bd['J_direct'][m])}]; auto " + "; ".join(parts))
     lines += ["", "What the tuner chose, every decision, and the measurements behind its last "
-              "review (`engine.tuning.last_review`), next to what this bench measured:", ""]
+              "review (`engine.recorder.tuning.last_review`), next to what this bench measured:", ""]
     for config, runs in results.items():
         if config[0] != "auto":
             continue
@@ -635,7 +635,7 @@ def main() -> None:
         "(the end-of-run flush apart: `close s`). Both: median [min..max] over the rounds (auto "
         "rows: one run each, since the tuner may choose differently each time). `direct "
         "overhead`: training-thread CPU seconds inside review/record_step/write_base, plus the "
-        "gradient copies in the optimizer's step hook (`engine.capture.copy_s`) and stall "
+        "gradient copies in the optimizer's step hook (`engine.recorder.capture.copy_s`) and stall "
         "seconds, per step, as a share of the baseline's CPU seconds per step; the true "
         "overhead is at least this. `overhead in J`: median over the rounds of max(CPU, "
         "direct) per run. `segment steps`: `Settings.segment_steps`, how far apart durable "

@@ -108,7 +108,7 @@ class Timer(L.Callback):
         self.t_loop_end = time.perf_counter()
         for cb in trainer.callbacks:
             if isinstance(cb, DiffCheckpoint) and cb.engine.started:
-                self.writer = cb.engine.writer  # its stats stay readable after close
+                self.writer = cb.engine.recorder.writer  # its stats stay readable after close
 
 
 def full_checkpoint_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:

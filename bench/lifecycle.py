@@ -121,8 +121,8 @@ def checkpointed_step(engine: CheckpointEngine, step: int, model: GPT, opt: Any,
                       sched: Any) -> None:
     """What an adapter does after ``optimizer.step()``: record the step, and queue a base when
     the engine wants one (the full copy that training-written bases cost)."""
-    if engine.review_due(step):
-        engine.review(step)
+    if engine.recorder.review_due(step):
+        engine.recorder.review(step)
     wants_base = engine.wants_base(step)
     state = state_of(step, sched) if wants_base or engine.wants_state(step) else None
     engine.record_step(step, state)
@@ -142,7 +142,7 @@ def run_once(config: Config, args: argparse.Namespace) -> dict[str, Any]:
         if config.options is not None:
             engine = CheckpointEngine(FsspecStorage(root), config.options)
             engine.start(model, [opt], 0)
-            writer, maintenance = engine.writer, engine.maintenance  # readable after close()
+            writer, maintenance = engine.recorder.writer, engine.recorder.maintenance  # readable after close()
             engine.write_base(0, model.state_dict(), [opt.state_dict()], state_of(0, sched))
         times, cpu = [], 0.0
         for step in range(1, args.steps + 1):
@@ -169,7 +169,7 @@ def run_once(config: Config, args: argparse.Namespace) -> dict[str, Any]:
                    **time_restore(root, args, model, opt))
         return out
     finally:
-        if engine is not None and engine.writer is not None:
+        if engine is not None and engine.recorder.writer is not None:
             engine.close()
         shutil.rmtree(root, ignore_errors=True)
         del model, opt, sched, engine, maintenance, writer

@@ -103,7 +103,7 @@ def child(args: argparse.Namespace) -> None:
             self.t_loop_end = time.perf_counter()
             for cb in trainer.callbacks:
                 if isinstance(cb, DiffCheckpoint):
-                    self.writer = cb.engine.writer  # its stats stay readable after close
+                    self.writer = cb.engine.recorder.writer  # its stats stay readable after close
 
     class DcpAsyncEveryStep(L.Callback):
         def __init__(self, root: str) -> None:

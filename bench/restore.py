@@ -87,7 +87,7 @@ from gpt import GPT, SIZES, make_loader
 from provenance import checkout, header, report_path, write_report
 
 import diffckpt.runstore
-from diffckpt import CheckpointEngine, CheckpointOptions, GradientCompressor
+from diffckpt import CheckpointEngine, CheckpointOptions, GradientCompressor, planning
 from diffckpt.capture import clone_tree
 from diffckpt.codecs import TopK
 from diffckpt.runstore import RunStore
@@ -383,7 +383,7 @@ def chain_bytes(run: Run, step: int) -> int:
     one holding ``step`` (read whole)."""
     store = RunStore(CheckpointEngine(run.root).storage)
     inv = store.inventory()
-    plan = store.plan(step, inv)
+    plan = planning.plan(store, step, inv)
     base = [p for p in inv.sizes if p.startswith(os.path.dirname(plan.base.commit_path) + "/")]
     return sum(inv.sizes[p] for p in base) + sum(plan.sizes.values())
 

@@ -192,7 +192,7 @@ def run_once(config: str, args: argparse.Namespace, mesh: Any, pg: Any, data: to
     if config == "diffckpt":
         engine = CheckpointEngine(path)
         engine.begin(model, [opt], 0, LoopState(sched))
-        writer = engine.writer  # its stats stay readable after end()
+        writer = engine.recorder.writer  # its stats stay readable after end()
     for step in range(1, steps + 1):
         if step == args.warmup + 1:
             dist.barrier()

@@ -230,7 +230,7 @@ def run_once(config: tuple[str, int, str] | None, args: argparse.Namespace, step
         engine = CheckpointEngine(storage, options)
         engine.start(model, opts, 0)
         engine.write_base(0, model.state_dict(), [o.state_dict() for o in opts], state_of(0, sched))
-        writer = engine.writer  # its stats stay readable after close()
+        writer = engine.recorder.writer  # its stats stay readable after close()
 
     try:
         t0, cpu0 = None, 0.0
@@ -271,7 +271,7 @@ def run_once(config: tuple[str, int, str] | None, args: argparse.Namespace, step
             )
         return out
     finally:
-        if engine is not None and engine.writer is not None:  # an error above: stop the thread
+        if engine is not None and engine.recorder.writer is not None:  # an error above: stop the thread
             with contextlib.suppress(Exception):  # the error above is what to report
                 engine.close()
         if workdir:

@@ -100,7 +100,7 @@ class StepClock(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs) -> None:
         if self.diff is not None:  # before diffckpt's on_train_end closes it; the stats stay readable
-            self.writer = self.diff.engine.writer
+            self.writer = self.diff.engine.recorder.writer
 
 
 class DcpAsyncEveryStep(TrainerCallback):

@@ -29,13 +29,12 @@ if TYPE_CHECKING:  # what mypy and IDEs see; at run time the names load on first
     )
     from .export import export_checkpoint
     from .lifecycle.compaction import CompactionResult, compact
-    from .lifecycle.retention import RetentionPolicy, collect_garbage
+    from .lifecycle.retention import collect_garbage
     from .loading import load_state
     from .options import CheckpointOptions
+    from .policyoptions import RetentionPolicy, RetryPolicy, TuningOptions
     from .replay import ReplayResult
     from .storage import FsspecStorage, Storage, open_storage
-    from .storage.retry import RetryPolicy
-    from .tuning.model import TuningOptions
 
 __version__ = "0.1.0"
 
@@ -56,12 +55,12 @@ _LAZY = {
     "IncompatibleCheckpointError": ".errors",
     "ReplayMismatchError": ".errors",
     "ReplayResult": ".replay",
-    "RetentionPolicy": ".lifecycle.retention",
-    "RetryPolicy": ".storage.retry",
+    "RetentionPolicy": ".policyoptions",
+    "RetryPolicy": ".policyoptions",
     "Storage": ".storage",
     "StorageError": ".errors",
     "StorageUnavailableError": ".errors",
-    "TuningOptions": ".tuning.model",
+    "TuningOptions": ".policyoptions",
     "UnsupportedConfigurationError": ".errors",
     "collect_garbage": ".lifecycle.retention",
     "compact": ".lifecycle.compaction",

@@ -1,47 +1,40 @@
 """The processes of a training job, and the few exchanges checkpointing makes between them.
 
-:class:`Coordinated` is the part of :class:`~diffckpt.CheckpointEngine` that knows the processes:
-its :class:`~diffckpt.collective.Collective` (looked up at each use), the rank and world size, and
-the small exchanges the engine needs (a flag reduced across ranks, a decision rank 0 takes and
-sends, every rank's outcome of a restore). Nothing here moves tensors between ranks.
+:class:`Coordination` is what :class:`~diffckpt.CheckpointEngine` holds to know the processes:
+its :class:`~diffckpt.collective.Collective` (looked up at each use), the rank and world size,
+and the small exchanges the engine needs: a flag reduced across ranks, a decision rank 0 takes
+and every rank gets (:meth:`~Coordination.decided`, the one place that sends rank 0's answer or
+its error), and every rank's outcome of a restore. Nothing here moves tensors between ranks.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
 from .collective import Collective, default_collective
 from .errors import DiffCkptError
-from .options import CheckpointOptions
-from .recorder import Recorder
-from .storage import Storage
 
-__all__ = ["Coordinated"]
+__all__ = ["Coordination"]
 
 log = logging.getLogger("diffckpt")
 
 
-class Coordinated(Recorder):
-    """A :class:`~diffckpt.recorder.Recorder` that knows the processes training together.
+class Coordination:
+    """The processes training together.
 
     Args:
-        dirpath, options, storage_options: as for :class:`~diffckpt.recorder.Recorder`.
-        collective: the processes training together; ``None``: the default ``torch.distributed``
-            process group when there is one, else this process alone.
+        collective: the processes; ``None``: the default ``torch.distributed`` process group
+            when there is one, else this process alone (looked up at each use: it may be set up
+            after the engine).
     """
 
-    def __init__(self, dirpath: str | os.PathLike[str] | Storage, options: CheckpointOptions | None = None,
-                 storage_options: dict[str, Any] | None = None, *, collective: Collective | None = None) -> None:
-        super().__init__(dirpath, options, storage_options)
+    def __init__(self, collective: Collective | None = None) -> None:
         self._collective = collective
 
     @property
     def collective(self) -> Collective:
-        """The processes training together: the one given, else the default process group when
-        it spans several processes (looked up at each use: it may be set up after the engine)."""
         return self._collective if self._collective is not None else default_collective()
 
     @property
@@ -54,12 +47,10 @@ class Coordinated(Recorder):
 
     @property
     def is_main_process(self) -> bool:
-        """Whether this process writes what exists once per run (sessions, references)."""
         return self.collective.rank == 0
 
     def agree(self, flag: bool) -> bool:
-        """Whether ``flag`` holds on any process (every rank calls): e.g. a stop request that
-        one rank received, so that every rank stops at the same step."""
+        """Whether ``flag`` holds on any process (every rank calls)."""
         return self.collective.any(flag)
 
     def own(self, ranks: list[Any]) -> Any:
@@ -72,27 +63,27 @@ class Coordinated(Recorder):
                     "0's are used (the resumed run will not be bit-exact)", len(ranks), self.world_size)
         return None
 
-
-    # -------------------------------------------------------------- exchanges
-    def _decided(self, fn: Callable[[], Any]) -> Any:
-        """``fn()`` run on rank 0 and sent to every rank, or rank 0's error raised everywhere."""
+    def decided(self, fn: Callable[[], Any], what: str, send: Callable[[Any], Any] = lambda v: v) -> Any:
+        """``fn()`` run on rank 0, and ``send(value)`` given to every other rank; rank 0's error
+        is raised on every rank (as :class:`DiffCkptError` naming ``what`` failed), so that none
+        waits forever. Rank 0 returns ``fn()`` itself, the others what was sent."""
         coll = self.collective
         if coll.world_size == 1:
             return fn()
-        if self.is_main_process:
+        if coll.rank == 0:
             try:
                 value = fn()
             except BaseException as exc:
                 coll.broadcast(("error", f"{type(exc).__name__}: {exc}"))
                 raise
-            coll.broadcast(("ok", value))
+            coll.broadcast(("ok", send(value)))
             return value
         kind, value = coll.broadcast(None)
         if kind == "error":
-            raise DiffCkptError(f"restore failed on process 0 ({value}); no process was restored")
+            raise DiffCkptError(f"{what} failed on process 0 ({value})")
         return value
 
-    def _everyone(self, fn: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any] | None, list[tuple[str, Any]]]:
+    def everyone(self, fn: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any] | None, list[tuple[str, Any]]]:
         """``fn()`` (a replayed state) on every rank: this rank's state, and every rank's
         ``("ok", step)`` or ``("error", message)``, so that one rank's failure stops all and none
         waits forever. Only the small outcome is exchanged."""
@@ -110,7 +101,8 @@ class Coordinated(Recorder):
         return value, coll.broadcast(gathered)
 
     @staticmethod
-    def _outcome(url: str, step: int, outcome: list[tuple[str, Any]]) -> list[int]:
+    def outcome(url: str, step: int, outcome: list[tuple[str, Any]]) -> list[int]:
+        """The step each rank reached, or every rank's error raised."""
         errors = [f"rank {r}: {v}" for r, (kind, v) in enumerate(outcome) if kind == "error"]
         if errors:
             raise DiffCkptError(f"restoring step {step} of {url} failed: {'; '.join(errors)}")

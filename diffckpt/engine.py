@@ -15,79 +15,47 @@ The engine decides which processes write (rank 0 under DDP, every rank its own s
 sharded training) and does every exchange between ranks itself through its
 :class:`~diffckpt.collective.Collective` (:mod:`diffckpt.coordination`): gathering each rank's RNG
 and data position at restorable steps and its codec state at bases (DDP), sending rank 0's tuning
-decisions, and agreeing on the step to restore (:mod:`diffckpt.resumption`). What is framework-specific reaches it through a
-:class:`FrameworkState`, which it asks only when a step is restorable. The single-writer calls it
-is built on (:class:`~diffckpt.recorder.Recorder`: ``start``, ``record_step``, ``write_base``,
-``close``, ``restore``) remain available for a single-process loop.
+decisions, and agreeing on the step to restore (:mod:`diffckpt.resumption`). What is
+framework-specific reaches it through a :class:`FrameworkState`, which it asks only when a step
+is restorable.
+
+The engine is built by composition: it holds :attr:`~CheckpointEngine.recorder` (the writing
+session, :class:`~diffckpt.recorder.Recorder`), a :class:`~diffckpt.coordination.Coordination`
+(the processes) and a :class:`~diffckpt.resumption.Resumption`. The single-writer calls of the
+recorder (``start``, ``record_step``, ``write_base``, ``flush``, ``close``, ``restore``) stay
+available on the engine for a single-process loop.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
-import socket
-import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal
 
 import torch
 
 from .codecs.compressor import GradientCompressor
 from .collective import Collective
+from .coordination import Coordination
 from .errors import DiffCkptError, UnsupportedConfigurationError
 from .metrics import CheckpointMetrics
 from .options import CheckpointOptions
-from .resumption import Resuming
+from .recorder import Recorder, session_body
+from .replay import ReplayResult
+from .resumption import Resumption
+from .session import Clock, Committed, FrameworkSaves, FrameworkState
 from .shardedrun import ShardedRun
 from .sharding import check_elementwise, is_sharded, refuse_flat_parameters, shard_table
 from .storage import Storage
-from .tuning.model import AUTO, tuning_metrics
+from .tuning.model import Settings, tuning_metrics
 
 __all__ = ["CheckpointEngine", "Committed", "FrameworkState"]
 
 log = logging.getLogger("diffckpt")
 
 
-class FrameworkState(Protocol):
-    """What a framework adds to a restorable step, built only when the engine asks for it."""
-
-    def rank_state(self) -> Any:
-        """This process's own part: its RNG states and data position (called on every rank)."""
-
-    def state(self, ranks: list[Any]) -> Any:
-        """The step's framework state (loops, schedulers, scaler...), holding ``ranks``, every
-        rank's :meth:`rank_state` in rank order (called on the process that writes)."""
-
-
-@dataclass(frozen=True)
-class Committed:
-    """What :meth:`CheckpointEngine.commit` did with a step."""
-
-    step: int
-    restorable: bool  # recorded with its state: a step training can resume from
-    base: bool  # a full base was written at it
-    tuning: dict[str, float] = field(default_factory=dict)  # a tuner decision's metrics, to log
-
-
-@dataclass
-class _Clock:
-    """The steps a coordinated session has reached, the same on every rank."""
-
-    recorded: int = -1
-    restorable: int = -1
-    base: int = -1
-
-    def at(self, step: int, restorable: bool, base: bool) -> None:
-        self.recorded = step
-        if restorable:
-            self.restorable = step
-        if base:
-            self.base = step
-
-
-class CheckpointEngine(Resuming):
+class CheckpointEngine:
     """Differential checkpointing of one model and its optimizers into one run root.
 
     Args:
@@ -100,12 +68,169 @@ class CheckpointEngine(Resuming):
 
     def __init__(self, dirpath: str | os.PathLike[str] | Storage, options: CheckpointOptions | None = None,
                  storage_options: dict[str, Any] | None = None, *, collective: Collective | None = None) -> None:
-        super().__init__(dirpath, options, storage_options, collective=collective)
+        self.recorder = Recorder(dirpath, options, storage_options)
+        self._coord = Coordination(collective)
+        self._resumption = Resumption(self._coord)
+        self._restored: tuple[int, Any] | None = None  # (step, state) that resume() replayed
         self._compressor: GradientCompressor | None = None
-        self._clock: _Clock | None = None  # kept after end(): what the last session reached
+        self._clock: Clock | None = None  # kept after end(): what the last session reached
         self._open = False  # between begin() and end()
-        self._waiting: list[tuple[int, Callable[[], Any], str]] = []  # when_restorable() until a commit
+        self._saves = FrameworkSaves(self.recorder)  # when_restorable()
         self._sharded = False  # the session records sharded parameters: every rank writes its stream
+
+    # ------------------------------------------------------------ the run root
+    @property
+    def options(self) -> CheckpointOptions:
+        return self.recorder.options
+
+    @property
+    def storage(self) -> Storage:
+        return self.recorder.storage
+
+    @property
+    def storage_options(self) -> dict[str, Any]:
+        return self.recorder.storage_options
+
+    @property
+    def storage_is_local(self) -> bool:
+        """Whether the run root is on a local file system."""
+        return self.recorder.storage_is_local
+
+    def run_exists(self) -> bool:
+        """Whether the run root holds a run (``run.json``), durable steps or not."""
+        return self.recorder.run_exists()
+
+    # ---------------------------------------------------------------- processes
+    @property
+    def collective(self) -> Collective:
+        """The processes training together: the one given, else the default process group when
+        it spans several processes (looked up at each use: it may be set up after the engine)."""
+        return self._coord.collective
+
+    @property
+    def rank(self) -> int:
+        return self._coord.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._coord.world_size
+
+    @property
+    def is_main_process(self) -> bool:
+        """Whether this process writes what exists once per run (sessions, references)."""
+        return self._coord.is_main_process
+
+    def agree(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any process (every rank calls): e.g. a stop request that
+        one rank received, so that every rank stops at the same step."""
+        return self._coord.agree(flag)
+
+    def own(self, ranks: list[Any]) -> Any:
+        """This rank's entry of a per-rank list recorded at a step, or ``None`` (with a warning)
+        when the run was recorded on another number of processes."""
+        return self._coord.own(ranks)
+
+    # ---------------------------------------------------------------- restoring
+    def resume(self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
+               step: int | Literal["last"] | None = None, *, dirpath: str | None = None,
+               compressor: GradientCompressor | None = None, missing_ok: bool = False) -> ReplayResult | None:
+        """Restore ``step`` (``"last"`` or ``None``: the newest durable one) on every rank (every
+        rank calls).
+
+        Rank 0 locates the step, falling back over damage for ``None``, and every rank replays
+        that same step onto its ``module`` and ``optimizers``; with a ``compressor``, each rank
+        gets its own codec state. ``dirpath`` restores from another run root. With
+        ``missing_ok``, ``None`` is returned when ``step`` is ``None`` and nothing is durable yet.
+        A later :meth:`begin` at the restored step writes the restored state as its base.
+
+        Raises:
+            the errors of :meth:`restore`, on rank 0; the other ranks raise
+            :class:`DiffCkptError` saying that rank 0 failed.
+        """
+        if step == "last":
+            step = None
+        elif step is not None and (not isinstance(step, int) or isinstance(step, bool)):
+            raise ValueError(f"step must be None, 'last' or a step number, got {step!r}")
+        refuse_flat_parameters(module)
+        recorder = self.recorder
+        if dirpath is not None and str(dirpath).rstrip("/") != self.storage.url.rstrip("/"):
+            recorder = Recorder(dirpath, storage_options=self.storage_options)
+        result = self._resumption.resume(recorder, module, optimizers, step, compressor, missing_ok)
+        if result is not None:
+            self._restored = (result.step, result.state)
+        return result
+
+    def newest_step(self) -> int | None:
+        """The step :meth:`resume` restores when given none, as a listing shows it: the newest
+        durable step (on every rank, for a sharded run), or ``None`` when nothing is durable
+        (every rank calls; rank 0 lists and the others get its answer).
+
+        Damage inside an object is found only when it is read, by :meth:`resume`.
+        """
+        return self._resumption.newest_step(self.recorder)
+
+    def restore(self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
+                step: int | None = None, verify: bool = True, compressor: GradientCompressor | None = None,
+                rank: int = 0) -> ReplayResult:
+        """Load ``step`` (``None``: newest durable) into ``module`` and ``optimizers`` by replay,
+        in this process alone (every process of a job calls :meth:`resume` instead); see
+        :meth:`diffckpt.recorder.Recorder.restore` for the details and errors."""
+        return self.recorder.restore(module, optimizers, step, verify, compressor, rank)
+
+    # ------------------------------------------------- a single-process session
+    def start(self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer], step: int,
+              meta: dict[str, Any] | None = None, compressor: GradientCompressor | None = None) -> int:
+        """Open a writer session in this process alone (a hand-written single-process loop;
+        adapters call :meth:`begin` on every process); see :meth:`Recorder.start`."""
+        return self.recorder.start(module, optimizers, step, meta=meta, compressor=compressor)
+
+    def record_step(self, step: int, state: Any | None) -> None:
+        """Record the optimizer steps since the previous call; see :meth:`Recorder.record_step`."""
+        self.recorder.record_step(step, state)
+
+    def write_base(self, step: int, model_state: dict[str, Any], optimizer_states: list[dict[str, Any]],
+                   state: Any, codec_states: list[dict[str, torch.Tensor]] | None = None) -> None:
+        """Queue a full snapshot at ``step``; see :meth:`Recorder.write_base`."""
+        self.recorder.write_base(step, model_state, optimizer_states, state, codec_states)
+
+    def wants_state(self, step: int) -> bool:
+        """Whether ``step`` is a restorable point, so a single-process loop passes its state."""
+        return self.recorder.wants_state(step)
+
+    def wants_base(self, step: int) -> bool:
+        """Whether a single-process loop writes a base at ``step``."""
+        return self.recorder.wants_base(step)
+
+    def flush(self, timeout: float | None = None) -> int | None:
+        """Block until everything captured is durable; return the durable step."""
+        return self.recorder.flush(timeout)
+
+    def close(self, timeout: float | None = None) -> int | None:
+        """Flush, stop the writer and remove the capture hooks; return the durable step."""
+        return self.recorder.close(timeout)
+
+    def check(self) -> None:
+        """Raise a background error on the calling thread, if one happened."""
+        self.recorder.check()
+
+    def mark_update_start(self) -> None:
+        """The gradients are final and the optimizer update begins now (for the tuner's timing)."""
+        self.recorder.mark_update_start()
+
+    @property
+    def started(self) -> bool:
+        """Whether this process has a writer session open."""
+        return self.recorder.started
+
+    @property
+    def durable_step(self) -> int | None:
+        """Newest step this process's current (or last) session made durable."""
+        return self.recorder.durable_step
+
+    @property
+    def settings(self) -> Settings:
+        """``every_n_steps``, ``write_batch`` and ``base_every_n_steps`` in force."""
+        return self.recorder.settings
 
     @property
     def recorded_step(self) -> int:
@@ -139,21 +264,22 @@ class CheckpointEngine(Resuming):
         ranks = None if restored is not None else self._rank_states(source)
         codec_states = self._gather_codec_states(compressor)
         self._compressor = compressor
-        self._clock, self._open = _Clock(step, step, step), True
+        self._clock, self._open = Clock(step, step, step), True
         if restored is None and self.is_main_process:
-            self._warn_used_root(step, resume_hint)
+            self._resumption.warn_used_root(self.recorder, step, resume_hint)
         if not self._writes():
-            self.join(step)
+            self.recorder.join(step)
             return
         meta = {"torch": torch.__version__, "world_size": self.world_size, **(meta or {})}
         gen = None
-        self.stream, self.collects_garbage = self.store, True  # an earlier sharded session's are gone
+        rec = self.recorder
+        rec.stream, rec.collects_garbage = rec.store, True  # an earlier sharded session's are gone
         if table is not None:  # every rank writes its own stream, in the session the root names
             gen = self._claim_sharded_session(meta, step)
-            self.stream = ShardedRun(self.storage).stream(self.rank)
-            self.collects_garbage = self.is_main_process
+            rec.stream = ShardedRun(self.storage).stream(self.rank)
+            rec.collects_garbage = self.is_main_process
             meta = dict(meta, rank=self.rank, shards=table)
-        self.start(module, optimizers, step, meta=meta, compressor=compressor, gen=gen)
+        rec.start(module, optimizers, step, meta=meta, compressor=compressor, gen=gen)
         state = restored[1] if restored is not None else source.state(ranks or [])
         self._base_now(step, state, codec_states)
 
@@ -167,28 +293,22 @@ class CheckpointEngine(Resuming):
         clock = self._require_clock()
         if step <= clock.recorded:
             raise DiffCkptError(f"step {step} committed after step {clock.recorded}; steps must increase")
-        tuning = self._review_everywhere(step) if self.review_due(step) else {}
-        base = force_base or self.wants_base(step)
-        restorable = force_state or base or self.wants_state(step)
-        with self.measuring_state():
+        rec = self.recorder
+        tuning = self._review_everywhere(step) if rec.review_due(step) else {}
+        base = force_base or rec.wants_base(step)
+        restorable = force_state or base or rec.wants_state(step)
+        with rec.measuring_state():
             ranks = self._rank_states(source) if restorable else None
             codec_states = self._gather_codec_states(self._compressor) if base else None
             state = source.state(ranks or []) if restorable and self._writes() else None
         clock.at(step, restorable, base)
         if not self._writes():
-            self.follow(step, base)
+            rec.follow(step, base)
             return Committed(step, restorable, base, tuning)
-        self.record_step(step, state)
+        rec.record_step(step, state)
         if base:
             self._base_now(step, state, codec_states)
-        waiting, self._waiting = self._waiting, []
-        for saved, fn, name in waiting:
-            if saved == step and not restorable:
-                raise DiffCkptError(
-                    f"a checkpoint was saved at step {step} ({name}), which is not a restorable step "
-                    f"with every_n_steps={self._every_n()}; save checkpoints only at multiples of "
-                    "every_n_steps")
-            self._after_durable_data(saved, fn, name)
+        self._saves.committed(step, restorable)
         return Committed(step, restorable, base, tuning)
 
     def make_restorable(self, step: int, source: FrameworkState, *, base: bool = False) -> None:
@@ -203,12 +323,12 @@ class CheckpointEngine(Resuming):
             return
         if clock.restorable == step and (not base or clock.base == step):
             return
-        with self.measuring_state():
+        with self.recorder.measuring_state():
             ranks = self._rank_states(source)
             codec_states = self._gather_codec_states(self._compressor)
         clock.at(step, True, True)
         if not self._writes():
-            self.follow(step, True)
+            self.recorder.follow(step, True)
             return
         self._base_now(step, source.state(ranks or []), codec_states)
 
@@ -224,42 +344,16 @@ class CheckpointEngine(Resuming):
         if started:
             (log.info if timeout is None else log.warning)("diffckpt: %s; durable up to step %s in %s",
                                                            reason, durable, self.storage.url)
-        waiting, self._waiting = self._waiting, []
-        for saved, fn, name in waiting:
-            if started and durable is not None and saved <= durable:
-                fn()
-            else:
-                log.warning("diffckpt: %s was not written: step %d %s", name, saved,
-                            "never became durable" if started else "was never recorded (save while training)")
+        self._saves.ended(started, durable)
         return durable
 
     def metrics(self) -> dict[str, float]:
         """The open session's ``diffckpt/*`` metrics for loggers (:mod:`diffckpt.metrics`) on a
         process that writes; empty on the others and outside a session."""
-        if self.writer is None or self._clock is None:
+        writer = self.recorder.writer
+        if writer is None or self._clock is None:
             return {}
-        return CheckpointMetrics.of(self.writer, self._clock.recorded).as_dict()
-
-    def _warn_used_root(self, step: int, hint: str | None) -> None:
-        """Warn that a fresh session starts on a run root whose durable steps it does not continue:
-        ``"last"`` follows the new session from now on, and a job still writing there is fenced."""
-        inv = self.store.inventory()
-        newest = {g: s for g in inv.gens() if (s := inv.newest_step(g)) is not None}
-        try:  # sharded sessions keep their steps in rank streams, not at the root
-            sharded = ShardedRun(self.storage).resolve(None)
-        except DiffCkptError:  # none, or damaged: the warning names what it can read
-            sharded = None
-        if sharded is not None:
-            newest[sharded.gen] = max(sharded.step, newest.get(sharded.gen, sharded.step))
-        if not newest:
-            return
-        sessions = ", ".join(f"g{g} (newest durable step {s})" for g, s in sorted(newest.items()))
-        warnings.warn(
-            f"diffckpt: {self.storage.url} already holds a run: session{'s' if len(newest) > 1 else ''} "
-            f"{sessions}. This training starts a new session at step {step} without resuming it; "
-            "\"last\" will follow the new session, and a job still writing there stops (fenced). "
-            f"To continue the run instead, {hint or 'resume from it'}; to keep both, give this job "
-            "its own dirpath", UserWarning, stacklevel=2)
+        return CheckpointMetrics.of(writer, self._clock.recorded).as_dict()
 
     # ---------------------------------------------------------- framework saves
     def when_restorable(self, step: int, fn: Callable[[], Any], *, name: str, wait: bool = False) -> None:
@@ -275,41 +369,15 @@ class CheckpointEngine(Resuming):
             DiffCkptError: ``step`` was committed without its state (``every_n_steps`` above
                 1), or no session is open and ``step`` is not durable.
         """
-        if not self.is_main_process:
-            return
-        if wait or step > self.recorded_step:
-            self._waiting.append((step, fn, name))
-            return
-        if step > self.restorable_step:
-            raise DiffCkptError(
-                f"cannot save {name}: step {step} is not a restorable step with every_n_steps="
-                f"{self._every_n()}; save checkpoints only at multiples of every_n_steps")
-        self._after_durable_data(step, fn, name)
-
-    def _after_durable_data(self, step: int, fn: Callable[[], Any], name: str) -> None:
-        if not self.started:
-            durable = self.durable_step
-            if durable is None or step > durable:
-                raise DiffCkptError(f"cannot save {name}: step {step} is not durable in {self.storage.url} "
-                                    f"(durable up to {durable}); save while checkpointing runs")
-        self.after_queued(fn)
-
-    def _every_n(self) -> str:
-        n = self.settings.every_n_steps
-        if self.options.every_n_steps == AUTO:
-            return (f"'auto' (now {n}; with checkpoints saved at fixed steps, give every_n_steps a "
-                    "divisor of their interval instead of 'auto')")
-        return str(n)
+        if self.is_main_process:
+            self._saves.add(step, fn, name, wait=wait, recorded=self.recorded_step,
+                            restorable=self.restorable_step)
 
     def after_queued(self, fn: Callable[[], Any]) -> None:
         """Run ``fn()`` on the main process once everything recorded before is written (on the
         writer thread, in order), or at once when no session is open; other ranks skip it."""
-        if not self.is_main_process:
-            return
-        if self.writer is not None:
-            self.writer.call(fn)
-        else:
-            fn()
+        if self.is_main_process:
+            self._saves.after_queued(fn)
 
     # ------------------------------------------------------------------ internals
     def _writes(self) -> bool:
@@ -340,26 +408,12 @@ class CheckpointEngine(Resuming):
     def _claim_sharded_session(self, meta: dict[str, Any], step: int) -> int:
         """Rank 0 opens the session on the run root, naming the world size; every rank gets its
         generation (or rank 0's error)."""
-        coll = self.collective
-        if self.is_main_process:
-            try:
-                body = {"options": dataclasses.asdict(self.options), "host": socket.gethostname(),
-                        "pid": os.getpid(), "resumed_from": step,
-                        "sharded": {"world_size": self.world_size, "streams": "ranks/r<rank:05d>/"}, **meta}
-                gen = self.store.start_session(body)
-            except BaseException as exc:
-                if coll.world_size > 1:
-                    coll.broadcast(("error", f"{type(exc).__name__}: {exc}"))
-                raise
-            if coll.world_size > 1:
-                coll.broadcast(("gen", gen))
-            return gen
-        kind, value = coll.broadcast(None)
-        if kind == "error":
-            raise DiffCkptError(f"opening the session failed on process 0 ({value})")
-        return int(value)
+        def claim() -> int:
+            sharded = {"world_size": self.world_size, "streams": "ranks/r<rank:05d>/"}
+            return self.recorder.store.start_session(session_body(self.options, step, dict(meta, sharded=sharded)))
+        return int(self._coord.decided(claim, "opening the session"))
 
-    def _require_clock(self) -> _Clock:
+    def _require_clock(self) -> Clock:
         if not self._open or self._clock is None:
             raise DiffCkptError("begin() must be called before commit() or make_restorable()")
         return self._clock
@@ -369,19 +423,20 @@ class CheckpointEngine(Resuming):
         return None if compressor is None else self.collective.gather(compressor.state_dict())
 
     def _base_now(self, step: int, state: Any, codec_states: list[Any] | None) -> None:
-        _, capture, module = self._require()
-        self.write_base(step, module.state_dict(), [o.state_dict() for o in capture.optimizers], state,
+        _, capture, module = self.recorder._require()
+        self.recorder.write_base(step, module.state_dict(), [o.state_dict() for o in capture.optimizers], state,
                         codec_states)
 
     def _review_everywhere(self, step: int) -> dict[str, float]:
         """Rank 0's tuner reviews the settings (under sharded training from every rank's
         measurements, as the slowest writer); every rank adopts what it chose."""
-        measured = self.collective.gather(self.tuning.measure(step)) if self._sharded and self.world_size > 1 else None
-        decision = self.tuning.review(step, measured) if self.is_main_process else None
+        tuning = self.recorder.tuning
+        measured = self.collective.gather(tuning.measure(step)) if self._sharded and self.world_size > 1 else None
+        decision = tuning.review(step, measured) if self.is_main_process else None
         if self.world_size > 1:
-            settings, next_review = self.collective.broadcast((self.settings, self.tuning.next_review))
+            settings, next_review = self.collective.broadcast((tuning.settings, tuning.next_review))
             if not self.is_main_process:
-                self.adopt(settings, next_review)
-        if decision is None or self.tuning.last_review is None:
+                tuning.adopt(settings, next_review)
+        if decision is None or tuning.last_review is None:
             return {}
-        return tuning_metrics(*self.tuning.last_review)
+        return tuning_metrics(*tuning.last_review)

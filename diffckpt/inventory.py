@@ -15,7 +15,28 @@ from typing import Any
 
 from .format import BaseName, SegmentName
 
-__all__ = ["Inventory"]
+__all__ = ["Inventory", "RestorePlan"]
+
+
+@dataclass
+class RestorePlan:
+    """What to read to rebuild ``target``: one base and the segments after it."""
+
+    base: BaseName
+    segments: list[SegmentName]
+    target: int
+    latest: bool
+    sizes: dict[str, int] = field(default_factory=dict)  # encoded bytes per segment path, if listed
+
+    def through_target(self) -> list[SegmentName]:
+        """The segments up to the one holding ``target``: a plan cut back to an earlier target
+        (replay redoing a shorter replay) still lists those after it, and they are never read."""
+        out = []
+        for seg in self.segments:
+            out.append(seg)
+            if seg.last >= self.target:
+                break
+        return out
 
 
 @dataclass

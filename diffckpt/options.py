@@ -7,9 +7,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .lifecycle.retention import RetentionPolicy
-from .storage.retry import RetryPolicy
-from .tuning.model import AUTO, TuningOptions
+from .policyoptions import AUTO, RetentionPolicy, RetryPolicy, TuningOptions
 
 __all__ = ["DEFAULT_BASE_EVERY_N_STEPS", "DEFAULT_EVERY_N_STEPS", "DEFAULT_FINGERPRINT_EVERY_N_STEPS",
            "DEFAULT_WRITE_BATCH", "NOT_GIVEN_BASE_EVERY_N_STEPS", "NOT_GIVEN_EVERY_N_STEPS",

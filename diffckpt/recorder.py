@@ -25,11 +25,13 @@ from .codecs.compressor import GradientCompressor
 from .errors import DiffCkptError
 from .leases import copy_tensors
 from .lifecycle.maintenance import Maintenance
+from .locate import Located, locate
 from .options import CheckpointOptions
 from .policies import IntervalPolicy, StepContext
-from .replay import ReplayResult, replay
+from .replay import ReplayResult
+from .restoring import restore_live
 from .runstore import RunStore
-from .shardedrun import ShardedRun, load_into_live, modules_of
+from .shardedrun import ShardedRun
 from .sharding import local, local_tree
 from .staging import HostStage
 from .storage import Storage, open_storage
@@ -38,9 +40,17 @@ from .tuning.model import Decision, Settings
 from .tuning.online import OnlineTuning
 from .writer import BackgroundWriter
 
-__all__ = ["Recorder"]
+__all__ = ["Recorder", "session_body"]
 
 log = logging.getLogger("diffckpt")
+
+
+def session_body(options: CheckpointOptions, step: int, meta: dict[str, Any]) -> dict[str, Any]:
+    """What a session file records (``sessions/g<gen>.json``): the options, the writing host and
+    process, the step it continues from, and ``meta`` (the model's parameters and optimizers, a
+    sharded session's world size, the framework...)."""
+    return {"options": dataclasses.asdict(options), "host": socket.gethostname(), "pid": os.getpid(),
+            "resumed_from": step, **meta}
 
 
 class Recorder:
@@ -112,14 +122,13 @@ class Recorder:
         # sharing the embedding matrix): readers without the module rebuild them from it.
         aliases = {k: names[id(v)] for k, v in module.state_dict(keep_vars=True).items()
                    if k not in params and id(v) in names}
-        body = {"options": dataclasses.asdict(self.options), "host": socket.gethostname(), "pid": os.getpid(),
-                "optimizer_params": [[[names.get(id(p), "") for p in g["params"]] for g in o.param_groups]
-                                     for o in optimizers],
-                "resumed_from": step,
-                "optimizers": [f"{type(o).__module__}.{type(o).__qualname__}" for o in optimizers],
-                "parameters": [[k, list(local(p).shape)] for k, p in params.items()],
-                **({"aliases": aliases} if aliases else {}),
-                "codec": None if compressor is None else compressor.codec.config(), **(meta or {})}
+        body = session_body(self.options, step, {
+            "optimizer_params": [[[names.get(id(p), "") for p in g["params"]] for g in o.param_groups]
+                                 for o in optimizers],
+            "optimizers": [f"{type(o).__module__}.{type(o).__qualname__}" for o in optimizers],
+            "parameters": [[k, list(local(p).shape)] for k, p in params.items()],
+            **({"aliases": aliases} if aliases else {}),
+            "codec": None if compressor is None else compressor.codec.config(), **(meta or {})})
         if self.tuning.restore_timing is not None:
             load_s, replay_s = self.tuning.restore_timing
             body["restore_timing"] = {"base_load_s": load_s, "replay_step_s": replay_s}
@@ -336,7 +345,7 @@ class Recorder:
     # ------------------------------------------------------------------- restore
     def restore(self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
                 step: int | None = None, verify: bool = True, compressor: GradientCompressor | None = None,
-                rank: int = 0) -> ReplayResult:
+                rank: int = 0, *, located: Located | None = None) -> ReplayResult:
         """Load ``step`` (``None``: newest durable) into ``module`` and ``optimizers`` by replay.
 
         With a ``compressor``, its codec state is restored too: rank ``rank``'s state saved with
@@ -346,8 +355,9 @@ class Recorder:
         For ``None``, damage (a missing or corrupt segment, an unusable base) makes it restore the
         newest step that can still be rebuilt, with a warning; for an explicit step it raises.
         Older bases of the same session stand in for a damaged one (see
-        :meth:`RunStore.open_plan`). A step of sharded training is rebuilt as full tensors from
+        :func:`diffckpt.planning.open_plan`). A step of sharded training is rebuilt as full tensors from
         every rank's stream and cut to what ``module`` holds here (``docs/sharded.md``).
+        ``located``: where ``step`` lies if the caller located it (:func:`diffckpt.locate.locate`).
 
         Raises:
             CheckpointNotFoundError: nothing durable under the run root, or ``step`` is not durable.
@@ -357,29 +367,9 @@ class Recorder:
             ReplayMismatchError: replay diverged from the fingerprints recorded in training;
                 ``module`` and ``optimizers`` are then partly replayed and must not be used.
         """
-        full = ShardedRun(self.storage).load_full(step, verify=verify, allow_modules=modules_of(optimizers))
-        if full is not None:  # written by sharded training: full tensors, cut to what is live here
-            load_into_live(module, optimizers, full, pieces=False)
-            result: ReplayResult = full["result"]
-            result.step, result.state = full["step"], full["state"]
-            return result
-        start = time.perf_counter()
-        plan, info, base = self.store.open_plan(step)
-        loaded = time.perf_counter()
-        ctx = self.capture.paused() if self.capture else contextlib.nullcontext()
-        with ctx, compressor.paused() if compressor else contextlib.nullcontext():
-            result = replay(self.store, plan, module, optimizers, verify=verify, loaded=(info, base))
-        replayed = time.perf_counter() - loaded
-        self.tuning.note_restore(loaded - start, replayed / result.replayed if result.replayed else None)
-        log.info("diffckpt: restored step %d from base %d (read in %.2f s): replayed %d steps in "
-                 "%.2f s (%.1f steps/s, %.1f MiB/s)", result.step, result.base_step, loaded - start,
-                 result.replayed, result.replay_s, result.steps_per_s, result.read_mib_per_s)
-        if compressor is not None:
-            if result.codec_config != compressor.codec.config():  # another codec, or none, trained
-                compressor.restore(None, {})
-            else:
-                states = result.codec_states if result.step == result.base_step else None
-                compressor.restore(states[rank] if states and rank < len(states) else None,
-                                   result.codec_payloads)
+        loc = located if located is not None else locate(self.storage, step)
+        with self.capture.paused() if self.capture else contextlib.nullcontext():
+            result, timing = restore_live(loc, module, optimizers, verify=verify, compressor=compressor, rank=rank)
+        if timing is not None:
+            self.tuning.note_restore(*timing)
         return result
-

@@ -36,7 +36,8 @@ from .errors import (
     IncompatibleCheckpointError,
     ReplayMismatchError,
 )
-from .runstore import ReadStats, RestorePlan, RunStore
+from .inventory import RestorePlan
+from .runstore import ReadStats, RunStore
 
 __all__ = ["ReplayResult", "ReplayTarget", "load_into", "replay", "replay_progress"]
 
@@ -317,7 +318,7 @@ def replay(store: RunStore, plan: RestorePlan, target: ReplayTarget | torch.nn.M
     For a plan made for the newest step (``plan.latest``), damage after the base stops replay at
     the newest intact restorable step with a warning. For an explicit step, damage raises.
     ``loaded`` is the base's ``(commit info, state tree)`` if the caller already read it
-    (:meth:`RunStore.open_plan`).
+    (:func:`diffckpt.planning.open_plan`).
 
     On :class:`IncompatibleCheckpointError` raised before replay starts (a different model or
     optimizer), ``target`` and ``optimizers`` are untouched. An error raised during replay

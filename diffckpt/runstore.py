@@ -1,9 +1,9 @@
-"""The run layout on storage: sessions, bases, segments, and how a restore is planned and read.
+"""The run layout on storage: sessions, bases, segments, and verified reads of them.
 
 Readers trust only committed objects: a base exists once its COMMIT marker does, a segment once
 its single object does. A chain is a committed base followed by segments whose ``after`` equals
-the previous ``last``; it ends at the first gap (:class:`~diffckpt.inventory.Inventory`, which
-this module re-exports, classifies a listing and finds the chains).
+the previous ``last``; it ends at the first gap (:class:`~diffckpt.inventory.Inventory`
+classifies a listing and finds the chains; :mod:`diffckpt.planning` chooses what to read).
 """
 
 from __future__ import annotations
@@ -11,9 +11,8 @@ from __future__ import annotations
 import json
 import logging
 import time
-import warnings
 from collections.abc import Generator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .errors import CheckpointNotFoundError, ConcurrentWriterError, CorruptRecordError
@@ -25,7 +24,7 @@ from .format import (
     decode_commit,
     decode_segment,
 )
-from .inventory import Inventory
+from .inventory import Inventory, RestorePlan
 from .prefetch import Fetched, Prefetcher, Preparer, ReadyAhead
 from .storage import Storage
 
@@ -33,7 +32,7 @@ if TYPE_CHECKING:  # tree imports torch, which `diffckpt ls` and `gc` do without
     from .borrowing import BlockPool
 
 __all__ = ["PREFETCH_BYTES", "PREFETCH_READY_BYTES", "PREFETCH_SEGMENTS", "RUN_FILE", "ReadStats",
-           "RestorePlan", "RunStore", "session_path", "tuning_path"]
+           "RunStore", "session_path", "tuning_path"]
 
 log = logging.getLogger("diffckpt")
 RUN_FILE = "run.json"
@@ -63,27 +62,6 @@ def session_path(gen: int) -> str:
 def tuning_path(gen: int) -> str:
     """Where session ``gen`` keeps the auto-tuner's decisions (rewritten on each change)."""
     return f"sessions/g{gen:06d}.tuning.json"
-
-
-@dataclass
-class RestorePlan:
-    """What to read to rebuild ``target``: one base and the segments after it."""
-
-    base: BaseName
-    segments: list[SegmentName]
-    target: int
-    latest: bool
-    sizes: dict[str, int] = field(default_factory=dict)  # encoded bytes per segment path, if listed
-
-    def through_target(self) -> list[SegmentName]:
-        """The segments up to the one holding ``target``: a plan cut back to an earlier target
-        (replay redoing a shorter replay) still lists those after it, and they are never read."""
-        out = []
-        for seg in self.segments:
-            out.append(seg)
-            if seg.last >= self.target:
-                break
-        return out
 
 
 @dataclass
@@ -188,120 +166,6 @@ class RunStore:
         except (ValueError, RecursionError):
             meta = None
         return meta if isinstance(meta, dict) else {"gen": gen + 1}
-
-    # --------------------------------------------------------------- planning
-    def plan(self, step: int | None = None, inv: Inventory | None = None) -> RestorePlan:
-        """Choose the base and segments for ``step`` (``None``: the newest durable step).
-
-        The newest session with a committed base wins for ``None``; an explicit step is looked
-        up from the newest session to the oldest. This is the first of :meth:`candidates`.
-        """
-        return self.candidates(step, inv)[0]
-
-    def candidates(self, step: int | None = None, inv: Inventory | None = None,
-                   gen: int | None = None) -> list[RestorePlan]:
-        """Every plan of one session that rebuilds ``step``, best first.
-
-        For ``None``: each committed base of the newest session with one, ordered by how far its
-        chain reaches, then newest base first (least replay). For an explicit step: the bases of
-        the newest session that reaches ``step``, newest first. ``gen``: only that session's.
-
-        Raises:
-            CheckpointNotFoundError: nothing is committed, or ``step`` is not durable.
-        """
-        inv = inv or self.inventory()
-        if not inv.bases:
-            raise CheckpointNotFoundError(self._nothing_here(inv))
-        for g in inv.gens():
-            if gen is not None and g != gen:
-                continue
-            bases = sorted((b for b in inv.bases if b.gen == g), reverse=True)
-            if not bases:
-                continue
-            if step is None:
-                plans = []
-                for base in bases:
-                    plans.append(RestorePlan(base, inv.chain(base), inv.chain_end(base), True))
-                plans.sort(key=lambda p: p.target, reverse=True)  # stable: newest base first
-                return _sized(plans, inv)
-            found = [p for p in (self._plan_for(inv, b, step) for b in bases) if p is not None]
-            if found:
-                return _sized(found, inv)
-        durable = self.durable_ranges(inv)
-        raise CheckpointNotFoundError(
-            f"step {step} is not durable under {self.storage.url}; durable steps: {durable}. "
-            "Pick one of those (see `diffckpt ls`).")
-
-    def _nothing_here(self, inv: Inventory) -> str:
-        url = self.storage.url
-        if "" in inv.sizes:  # an object at the root itself: the path names a file
-            return (f"{url} is a file, not a run directory: pass the directory (or URL prefix) that "
-                    "the run was written to")
-        if not inv.sizes:
-            return (f"nothing under {url}: the path does not exist or is empty. Check the path (and "
-                    "storage_options for remote URLs), or train first to create the run")
-        if RUN_FILE not in inv.sizes:
-            return f"{url} is not a diffckpt run (it has no {RUN_FILE}): check the path"
-        return (f"no committed checkpoint under {url} yet: the run never committed a base, so no "
-                "step is durable. Train until the first base is written")
-
-    @staticmethod
-    def _plan_for(inv: Inventory, base: BaseName, step: int) -> RestorePlan | None:
-        if base.step > step:
-            return None
-        if base.step == step:
-            return RestorePlan(base, [], step, False)
-        segs = []
-        for seg in inv.chain(base):
-            segs.append(seg)
-            if seg.last >= step:
-                return RestorePlan(base, segs, step, False)
-        return None
-
-    def open_plan(self, step: int | None = None) -> tuple[RestorePlan, dict[str, Any], Any]:
-        """Choose a plan for ``step`` (``None``: newest durable) and load its base.
-
-        Returns ``(plan, commit info, base state tree)``. A base that cannot be used (its COMMIT
-        marker is damaged or unreadable, its state file is missing or fails its checksum) is
-        skipped with a warning, and the next of :meth:`candidates` is tried: an older committed
-        base of the same session that reaches ``step`` (for ``None``: the one whose chain reaches
-        furthest, so the step restored may be older). For ``None``, a warning also says when
-        committed segments of that session lie beyond the step chosen (a missing segment cut the
-        chain). Steps of other sessions are never used in place of damaged ones.
-
-        Raises:
-            CheckpointNotFoundError: nothing is committed, or ``step`` is not durable.
-            CorruptRecordError: no candidate base can be loaded.
-        """
-        inv = self.inventory()
-        problems: list[str] = []
-        for plan in self.candidates(step, inv):
-            try:
-                info, tree = self.load_base(plan.base)
-            except (CorruptRecordError, CheckpointNotFoundError) as exc:
-                problems.append(str(exc))
-                continue
-            if problems:
-                warnings.warn(f"diffckpt: {'; '.join(problems)}; using the older base at step "
-                              f"{plan.base.step} instead, restoring step {plan.target}", stacklevel=3)
-            beyond = [s for s in inv.segments if s.gen == plan.base.gen and s.last > plan.target]
-            if plan.latest and beyond:
-                warnings.warn(
-                    f"diffckpt: nothing continues session g{plan.base.gen} after step {plan.target} "
-                    f"(a segment is missing before {beyond[0].path}); its steps up to "
-                    f"{max(s.last for s in beyond)} cannot be rebuilt. Restoring step {plan.target}, "
-                    "the newest step before the gap", stacklevel=3)
-            return plan, info, tree
-        raise CorruptRecordError(
-            f"no usable base for {'the newest step' if step is None else f'step {step}'} under "
-            f"{self.storage.url}: {'; '.join(problems)}. Restore an earlier step (see `diffckpt ls`) "
-            "or check the storage with `diffckpt verify`")
-
-    def durable_ranges(self, inv: Inventory) -> str:
-        """Durable steps per session as merged ranges, e.g. ``g1: 0..5, 10..13``."""
-        parts = [f"g{gen}: " + ", ".join(f"{lo}..{hi}" for lo, hi in inv.durable_spans(gen))
-                 for gen in sorted({b.gen for b in inv.bases})]
-        return "; ".join(parts) or "none"
 
     # ---------------------------------------------------------------- reading
     def load_base(self, base: BaseName) -> tuple[dict[str, Any], Any]:
@@ -451,10 +315,3 @@ class _Pairs:
     def prepare(self, item: tuple[dict[str, Any] | None, str | None]
                 ) -> tuple[dict[str, Any] | None, str | None]:
         return item if item[0] is None else (self.records.prepare(item[0]), item[1])
-
-
-def _sized(plans: list[RestorePlan], inv: Inventory) -> list[RestorePlan]:
-    """``plans`` with the listed size of each of their segments, which bounds prefetching."""
-    for plan in plans:
-        plan.sizes = {s.path: inv.sizes.get(s.path, 0) for s in plan.segments}
-    return plans

@@ -27,6 +27,8 @@ import tempfile
 import time
 from typing import Any
 
+from diffckpt.planning import plan
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
@@ -259,7 +261,7 @@ def parent(args: argparse.Namespace) -> int:
                     log_path,
                 )
             store = RunStore(open_storage(args.run_dir))
-            durable = store.plan().target
+            durable = plan(store).target
             print(
                 f"[3/3] resume with ckpt_path='last' (newest durable step: {durable}) ...",
                 flush=True,

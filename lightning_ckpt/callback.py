@@ -119,7 +119,7 @@ class DiffCheckpoint(ModelCheckpoint):
         from .checkpoint_io import DiffCheckpointIO
 
         self._trainer = trainer
-        behind_model_checkpoints(trainer)
+        behind_model_checkpoints(trainer, DiffCheckpoint)
         # Per-run state: a previous fit that ended in an exception must not leak into this one.
         self._deferred = self._epoch_end = False
         strategy = trainer.strategy
@@ -139,7 +139,7 @@ class DiffCheckpoint(ModelCheckpoint):
         if self._compression is not None:
             self._compression.on_train_start(trainer, pl_module)
         self.engine.begin(pl_module, list(trainer.optimizers), trainer.global_step,
-                          StepState(self, trainer, "batch_start"), compressor=self.compressor,
+                          StepState(self, trainer, "batch_start", model_parallel.states_skipped), compressor=self.compressor,
                           meta={"framework": f"lightning {pl.__version__}",
                                 "strategy": type(trainer.strategy).__name__},
                           resume_hint='pass ckpt_path="last" to trainer.fit')
@@ -208,7 +208,7 @@ class DiffCheckpoint(ModelCheckpoint):
         """Record the current step (every rank), then the references that wait for it."""
         step = trainer.global_step
         self._restore_at = restore_at
-        done = self.engine.commit(step, StepState(self, trainer, restore_at))
+        done = self.engine.commit(step, StepState(self, trainer, restore_at, model_parallel.states_skipped))
         # The core's metrics at the loggers' own frequency (empty where this rank does not write).
         metrics = dict(done.tuning)
         if step % trainer.log_every_n_steps == 0:
@@ -252,7 +252,7 @@ class DiffCheckpoint(ModelCheckpoint):
         # at it carries the state, so fitting further resumes there.
         step = trainer.global_step
         if step == self.engine.recorded_step and trainer.state.fn == TrainerFn.FITTING:
-            self.engine.make_restorable(step, StepState(self, trainer, self._restore_at))
+            self.engine.make_restorable(step, StepState(self, trainer, self._restore_at, model_parallel.states_skipped))
         self._close("end of training")
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

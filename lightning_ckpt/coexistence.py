@@ -34,18 +34,16 @@ def refuse_model_checkpoint_keywords(kwargs: dict[str, Any]) -> None:
                         "with plugins=[DiffCheckpointIO()] its saves become small references to the run")
 
 
-def behind_model_checkpoints(trainer: pl.Trainer) -> None:
-    """Move every DiffCheckpoint behind the Trainer's other checkpoint callbacks.
+def behind_model_checkpoints(trainer: pl.Trainer, ours_type: type) -> None:
+    """Move every ``ours_type`` callback (DiffCheckpoint) behind the Trainer's other checkpoint callbacks.
 
     Lightning takes the first checkpoint callback for ``trainer.checkpoint_callback``,
     ``ckpt_path="best"`` and ``best_model_path``; a DiffCheckpoint there (it has no best model)
     would hide the user's ModelCheckpoint whenever ``callbacks=[...]`` lists it first. Lightning
     already puts checkpoint callbacks last, so this only reorders within that group.
     """
-    from .callback import DiffCheckpoint  # the callback module imports this one
-
-    ours = [c for c in trainer.callbacks if isinstance(c, DiffCheckpoint)]
-    reordered = [c for c in trainer.callbacks if not isinstance(c, DiffCheckpoint)] + ours
+    ours = [c for c in trainer.callbacks if isinstance(c, ours_type)]
+    reordered = [c for c in trainer.callbacks if not isinstance(c, ours_type)] + ours
     if reordered != trainer.callbacks:
         # A new list: Lightning may be iterating the old one (this runs inside the setup hooks).
         trainer.callbacks = reordered

@@ -8,10 +8,13 @@ recorded without the model and optimizer states, which replay rebuilds. Lightnin
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.strategies import Strategy
 
 from diffckpt.rng import get_rng_state
 
@@ -25,8 +28,12 @@ class StepState:
     """What Lightning adds to a restorable step: its own checkpoint dict, and each rank's RNG and
     loop position (Lightning saves only rank 0's loader state and restores it on every rank)."""
 
-    def __init__(self, callback: DiffCheckpoint, trainer: pl.Trainer, restore_at: str) -> None:
+    def __init__(self, callback: DiffCheckpoint, trainer: pl.Trainer, restore_at: str,
+                 states_skipped: Callable[[Strategy], AbstractContextManager[None]]) -> None:
+        # ``states_skipped``: model_parallel's, which makes the strategy's bound state-dict
+        # methods return nothing while Lightning's part of the step is dumped.
         self.callback, self.trainer, self.restore_at = callback, trainer, restore_at
+        self.states_skipped = states_skipped
 
     def rank_state(self) -> dict[str, Any] | None:
         if self.trainer.world_size == 1:  # nothing per rank to keep: state() records it all
@@ -37,12 +44,10 @@ class StepState:
     def state(self, ranks: list[Any]) -> dict[str, Any]:
         # DiffCheckpoint.state_dict, called by dump_checkpoint, adds the RNG, where to restore it
         # and, under DDP, every rank's part.
-        from .model_parallel import states_skipped
-
         cb = self.callback
         cb._capture_at, cb._rank_states = self.restore_at, ranks if len(ranks) > 1 else None
         try:
-            with states_skipped(self.trainer.strategy):  # no sharded state dicts built to be dropped
+            with self.states_skipped(self.trainer.strategy):  # no sharded state dicts built to be dropped
                 ckpt = self.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         finally:
             cb._capture_at, cb._rank_states = "batch_start", None

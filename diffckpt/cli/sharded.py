@@ -98,7 +98,7 @@ def open_sharded(store: RunStore, inv: Inventory) -> Sharded | None:
 
     Each stream's inventory is classified from the root's listing ``inv``: no listing per rank.
     """
-    run = ShardedRun(store.storage)
+    run = ShardedRun(store.storage, inv.sizes)
     sessions = run.sessions(inv)
     folders = {"/".join(p.split("/", 2)[:2]) for p in inv.sizes if p.startswith(RANKS_DIR + "/") and p.count("/") >= 2}
     present = {r for p in folders if (r := _rank_of(p)) is not None}
@@ -106,10 +106,7 @@ def open_sharded(store: RunStore, inv: Inventory) -> Sharded | None:
         return None
     streams = []
     for rank in range(max([max(sessions.values(), default=0) - 1, *present]) + 1):
-        prefix = rank_prefix(rank)
-        listing = {p[len(prefix):]: n for p, n in inv.sizes.items() if p.startswith(prefix)}
-        sub = run.stream(rank)
-        streams.append(Stream(rank, prefix, sub, sub.inventory(listing)))
+        streams.append(Stream(rank, rank_prefix(rank), run.stream(rank), run.inventory(rank)))
     return Sharded(run, sessions, streams)
 
 

@@ -13,11 +13,13 @@ from typing import Any
 
 import torch
 
+from .. import planning
 from ..errors import CheckpointNotFoundError, DiffCkptError, UnsupportedConfigurationError
 from ..format import BaseName, SegmentName, decode_segment
-from ..inventory import Inventory
-from ..loading import load_state, replay_plan
-from ..runstore import RestorePlan, RunStore, session_path
+from ..inventory import Inventory, RestorePlan
+from ..loading import load_state
+from ..offline import replay_plan
+from ..runstore import RunStore, session_path
 from ..storage import Storage
 from .common import Progress, open_run, progress, reemit, table, throughput
 from .sharded import Sharded, Stream, open_sharded, sharded_notes
@@ -61,7 +63,7 @@ def _deep_plans(inv: Inventory, usable: list[BaseName]) -> list[tuple[RestorePla
             continue
         after = [b for b in usable if b.gen == base.gen and base.step < b.step <= end]
         upto = min(after) if after else None
-        plan = RunStore._plan_for(inv, base, end if upto is None else upto.step)
+        plan = planning.plan_for(inv, base, end if upto is None else upto.step)
         assert plan is not None  # the target lies on the chain
         out.append((plan, upto))
     return out
@@ -182,7 +184,7 @@ def _target(store: RunStore, inv: Inventory, sh: Sharded | None, step: int | Non
             return {"unresolved": str(exc)}
         if res is not None:
             return {"target": res.step, "base_step": None, "world_size": res.world_size}
-    plan = store.plan(step, inv)  # a step that is not durable is a usage error (exit 2): first
+    plan = planning.plan(store, step, inv)  # a step that is not durable is a usage error (exit 2): first
     return {"target": plan.target, "base_step": plan.base.step}
 
 

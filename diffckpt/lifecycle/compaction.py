@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from .. import planning
 from ..checksums import fingerprint
 from ..deprecation import renamed_kwargs
 from ..errors import CheckpointNotFoundError
@@ -71,7 +72,7 @@ def compaction_target(store: RunStore, to: int | None) -> tuple[int, int, int]:
         CheckpointNotFoundError: ``to`` is not durable, or no segment ends at it.
     """
     inv = store.inventory()
-    plan = store.plan(to, inv)
+    plan = planning.plan(store, to, inv)
     ends = sorted(s.last for s in inv.chain(plan.base))
     if plan.target != plan.base.step and plan.target not in ends:
         near = [s for s in ends if s < plan.target][-3:] + [s for s in ends if s > plan.target][:3]

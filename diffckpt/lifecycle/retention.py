@@ -25,6 +25,7 @@ from ..deprecation import renamed_kwargs
 from ..errors import CorruptRecordError, DiffCkptError
 from ..format import BaseName, SegmentName
 from ..inventory import Inventory
+from ..policyoptions import RetentionPolicy
 from ..rankstreams import RANKS_DIR
 from ..runstore import RunStore, session_path
 from ..shardedrun import ShardedRun, rank_streams
@@ -37,45 +38,7 @@ __all__ = ["GcPlan", "RetentionPolicy", "apply_gc", "collect_garbage", "plan_gc"
 RANKS_PREFIX = RANKS_DIR + "/"
 
 
-@dataclass(frozen=True, kw_only=True)
-class RetentionPolicy:
-    """Which restorable steps a run keeps; any combination, each keeps what it names.
 
-    Attributes:
-        keep_last_bases: keep the ``N`` newest bases and every step from the oldest of them on
-            (their chains), so everything in that window stays restorable.
-        keep_every_n_steps: keep one restorable step per window of ``K`` steps (``[0, K)``,
-            ``[K, 2K)``, ...) for later analysis: a base in the window if there is one, else the
-            first durable step in it with the base and diffs it needs.
-        keep_newer_than_s: keep everything written in the last ``T`` seconds (and the bases and
-            diffs those steps need).
-        min_age_s: leftovers of interrupted writes are removed once this old (a writer that is
-            still at work is never disturbed).
-
-    With none of the ``keep_*`` set, every step stays restorable and only unneeded objects
-    (leftovers, diffs nothing can reach any more) are removed.
-    """
-
-    keep_last_bases: int | None = None
-    keep_every_n_steps: int | None = None
-    keep_newer_than_s: float | None = None
-    min_age_s: float = 3600.0
-
-    def __post_init__(self) -> None:
-        for name in ("keep_last_bases", "keep_every_n_steps"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
-        for name in ("keep_newer_than_s", "min_age_s"):
-            value = getattr(self, name)
-            if value is None and name == "keep_newer_than_s":
-                continue
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name} must be a non-negative number of seconds, got {value!r}")
-
-    @property
-    def keeps_everything(self) -> bool:
-        return self.keep_last_bases is None and self.keep_every_n_steps is None and self.keep_newer_than_s is None
 
 
 @dataclass

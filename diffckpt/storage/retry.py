@@ -11,25 +11,23 @@ from __future__ import annotations
 
 import errno
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import InitVar, dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import DiffCkptError, StorageUnavailableError
+from ..policyoptions import RetryPolicy
 from .protocol import InspectableStorage
 
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-__all__ = ["RetryPolicy", "RetryingInspectableStorage", "RetryingStorage", "is_transient", "unwrap"]
+__all__ = ["RetryPolicy", "RetryingInspectableStorage", "RetryingStorage", "is_transient", "retry_call", "unwrap"]
 
 log = logging.getLogger("diffckpt")
 T = TypeVar("T")
 # A generator of our own: the global ``random`` state belongs to training, which checkpoints it.
-_jitter = random.Random()
 
 _TRANSIENT_ERRNOS = {errno.EBUSY, errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.ETIMEDOUT,
                      errno.EPIPE, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN, errno.EAGAIN,
@@ -68,81 +66,40 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
-@dataclass(frozen=True, kw_only=True)
-class RetryPolicy:
-    """How long to keep retrying one storage operation that fails transiently.
 
-    Attributes:
-        budget_s: give up on one operation after retrying it for this long (and at least twice,
-            however long one attempt takes). In the background
-            writer that starts an *outage*: the writer keeps retrying at ``max_backoff_s`` while
-            training goes on and buffers (see ``CheckpointOptions.on_storage_error``).
-        initial_backoff_s: first wait; each retry doubles the ceiling.
-        max_backoff_s: ceiling of one wait. Waits are drawn uniformly below the ceiling (full
-            jitter), so many writers do not retry in lockstep.
-        budget_setting: how the error raised when the budget is spent names the setting that
-            changes it, e.g. ``"--retry-budget"`` where the budget came from a command line.
 
-    ``budget_setting`` says only how the budget is named to a user, so it is an init-only
-    variable kept on the instance: equality, ``repr`` and :func:`dataclasses.asdict` (the
-    options a session records on storage) see the three numbers only, as before.
+
+def retry_call(policy: RetryPolicy, fn: Callable[[], T], what: str, cancel: threading.Event | None = None) -> T:
+    """Run ``fn``, retrying transient failures until the budget is spent.
+
+    Raises:
+        StorageUnavailableError: transient failures lasted longer than ``budget_s`` (or
+            ``cancel`` was set while waiting).
+        Exception: a permanent failure, unchanged, at once.
     """
-
-    budget_s: float = 60.0
-    initial_backoff_s: float = 0.2
-    max_backoff_s: float = 10.0
-    if TYPE_CHECKING:  # to type checkers an ordinary str field; at run time init-only (see above)
-        budget_setting: str = "RetryPolicy.budget_s"
-    else:
-        budget_setting: InitVar[str] = "RetryPolicy.budget_s"
-
-    # The InitVar is hidden from type checkers (above), which then expect no argument here.
-    def __post_init__(self, budget_setting: str) -> None:  # type: ignore[override]
-        for name in ("budget_s", "initial_backoff_s", "max_backoff_s"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"RetryPolicy.{name} must be a non-negative number, got {value!r}")
-        if not isinstance(budget_setting, str) or not budget_setting:
-            raise ValueError(f"RetryPolicy.budget_setting must be a non-empty string, got {budget_setting!r}")
-        # Frozen: set like the generated __init__ sets fields. The instance attribute shadows the
-        # class default that dataclasses leaves for an InitVar, and is pickled and copied with it.
-        object.__setattr__(self, "budget_setting", budget_setting)
-
-    def delay(self, attempt: int) -> float:
-        """Wait before retry number ``attempt`` (1-based)."""
-        return _jitter.uniform(0, min(self.max_backoff_s, self.initial_backoff_s * 2 ** (attempt - 1)))
-
-    def call(self, fn: Callable[[], T], what: str, cancel: threading.Event | None = None) -> T:
-        """Run ``fn``, retrying transient failures until the budget is spent.
-
-        Raises:
-            StorageUnavailableError: transient failures lasted longer than ``budget_s`` (or
-                ``cancel`` was set while waiting).
-            Exception: a permanent failure, unchanged, at once.
-        """
-        start = time.monotonic()
-        attempt = 0
-        while True:
-            try:
-                return fn()
-            except Exception as exc:
-                if not is_transient(exc):
-                    raise
-                attempt += 1
-                elapsed = time.monotonic() - start
-                wait = self.delay(attempt)
-                if (attempt > 2 and elapsed + wait > self.budget_s) or (cancel is not None and cancel.is_set()):
-                    raise StorageUnavailableError(
-                        f"cannot {what}: storage kept failing for {elapsed:.1f}s ({attempt} attempts; last "
-                        f"error: {_describe(exc)}). Check that the endpoint is reachable and healthy; "
-                        f"{self.budget_setting} sets how long to retry") from exc
-                (log.warning if attempt == 1 else log.info)(
-                    "diffckpt: %s failed (%s); transient, retry %d in %.2fs", what, _describe(exc), attempt, wait)
-                if cancel is not None and cancel.wait(wait):
-                    raise StorageUnavailableError(f"cannot {what}: given up while retrying (last error: "
-                                                  f"{_describe(exc)})") from exc
-                if cancel is None:
-                    time.sleep(wait)
+    start = time.monotonic()
+    attempt = 0
+    while True:
+        try:
+            return fn()
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            attempt += 1
+            elapsed = time.monotonic() - start
+            wait = policy.delay(attempt)
+            if (attempt > 2 and elapsed + wait > policy.budget_s) or (cancel is not None and cancel.is_set()):
+                raise StorageUnavailableError(
+                    f"cannot {what}: storage kept failing for {elapsed:.1f}s ({attempt} attempts; last "
+                    f"error: {_describe(exc)}). Check that the endpoint is reachable and healthy; "
+                    f"{policy.budget_setting} sets how long to retry") from exc
+            (log.warning if attempt == 1 else log.info)(
+                "diffckpt: %s failed (%s); transient, retry %d in %.2fs", what, _describe(exc), attempt, wait)
+            if cancel is not None and cancel.wait(wait):
+                raise StorageUnavailableError(f"cannot {what}: given up while retrying (last error: "
+                                              f"{_describe(exc)})") from exc
+            if cancel is None:
+                time.sleep(wait)
 
 
 def _describe(exc: BaseException) -> str:
@@ -176,7 +133,7 @@ class RetryingStorage:
         return RetryingStorage(self.inner, self.policy, cancel)
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
-        return self.policy.call(fn, what, self.cancel)
+        return retry_call(self.policy, fn, what, self.cancel)
 
     def write(self, path: str, data: Any) -> None:
         self._call(f"write {self.url}/{path}", lambda: self.inner.write(path, data))

@@ -17,12 +17,12 @@ from typing import Any
 
 import numpy as np
 
+from ..policyoptions import AUTO, TuningOptions
 from ..units import format_bytes, format_rate
 
 __all__ = ["AUTO", "AutoTuner", "Decision", "Estimate", "Measurements", "Settings", "TuningOptions", "describe",
            "expected_loss", "tuning_metrics"]
 
-AUTO = "auto"
 WRITER_HEADROOM = 0.8  # the writer may be busy at most this share of the time
 HYSTERESIS = 0.1  # switch only when the new settings lose at least 10% less
 MAX_INTERVAL = 1_000_000
@@ -40,36 +40,7 @@ def _grid(limit: int) -> list[int]:
 GRID = _grid(MAX_INTERVAL)
 
 
-@dataclass(frozen=True, kw_only=True)
-class TuningOptions:
-    """What the user tells the tuner; everything else is measured.
 
-    Attributes:
-        mtbf_s: mean time between failures of the job, in seconds (a crash, a preemption without
-            notice, a lost node). The default, one a day, suits a small job on reliable machines;
-            large multi-node jobs and spot instances fail far more often: set it.
-        max_overhead: the largest share of step time checkpointing may take from the training
-            thread (capture, copies of bases, waiting for the writer).
-        rto_s: recovery-time objective: the longest a restore (base load plus replay) may take,
-            in seconds; ``None`` for no bound.
-        retune_every_n_steps: how often measurements are reviewed (the first review comes after
-            a short warm-up).
-    """
-
-    mtbf_s: float = 24 * 3600.0
-    max_overhead: float = 0.03
-    rto_s: float | None = None
-    retune_every_n_steps: int = 50
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.mtbf_s, (int, float)) or self.mtbf_s <= 0:
-            raise ValueError(f"mtbf_s must be a positive number of seconds, got {self.mtbf_s!r}")
-        if not isinstance(self.max_overhead, (int, float)) or not 0 < self.max_overhead < 1:
-            raise ValueError(f"max_overhead must be a fraction of step time in (0, 1), got {self.max_overhead!r}")
-        if self.rto_s is not None and (not isinstance(self.rto_s, (int, float)) or self.rto_s <= 0):
-            raise ValueError(f"rto_s must be a positive number of seconds or None, got {self.rto_s!r}")
-        if not isinstance(self.retune_every_n_steps, int) or self.retune_every_n_steps < 1:
-            raise ValueError(f"retune_every_n_steps must be a positive integer, got {self.retune_every_n_steps!r}")
 
 
 @dataclass(frozen=True)

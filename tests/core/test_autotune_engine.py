@@ -17,8 +17,8 @@ from diffckpt.tuning.online import WARMUP_STEPS
 
 
 def _review_when_due(engine: CheckpointEngine, step: int) -> None:
-    if engine.review_due(step):
-        engine.review(step)
+    if engine.recorder.review_due(step):
+        engine.recorder.review(step)
 
 
 def _train_auto(root: Path | Any, steps: int, drive: Any = _review_when_due, **options: Any
@@ -65,7 +65,7 @@ def test_segments_follow_the_settings_in_force_from_the_next_restorable_step(tmp
 
     def drive(engine: CheckpointEngine, step: int) -> None:
         if step in changes:
-            engine.adopt(changes[step], next_review=10**9)
+            engine.recorder.adopt(changes[step], next_review=10**9)
 
     engine, truth = _train_auto(tmp_path / "run", 50, drive=drive, tuning=TuningOptions(retune_every_n_steps=10**6))
     inv = RunStore(engine.storage).inventory()

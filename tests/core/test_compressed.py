@@ -21,6 +21,7 @@ from diffckpt import (
 )
 from diffckpt.codecs import LowPrecision, PowerSGD, TopK, codec_from_config
 from diffckpt.codecs.compressor import GradientCompressor
+from diffckpt.planning import plan
 
 CODECS = {
     "topk": lambda: TopK(0.05),
@@ -104,8 +105,8 @@ def test_records_hold_payloads_not_dense_gradients(tmp_path) -> None:
     run = Run(tmp_path, "topk", write_batch=1)
     run.train(4)
     segment = max((tmp_path / "diffs").iterdir())
-    store = run.engine.store
-    records = [r for r, _ in store.read_records(store.plan(4))]
+    store = run.engine.recorder.store
+    records = [r for r, _ in store.read_records(plan(store, 4))]
     event = records[-1]["events"][0]
     assert "grads" not in event and event["codec"] == TopK(0.05).config()
     assert event["clip"] == {"kind": "norm", "max_norm": 0.5, "norm_type": 2.0}
@@ -139,8 +140,8 @@ def test_undeclared_gradient_change_is_recorded_dense(tmp_path, caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="diffckpt"):
         run.train(9, tamper=True)
     assert "changed between compression and optimizer.step()" in caplog.text
-    store = run.engine.store
-    events = {r["step"]: r["events"][0] for r, _ in store.read_records(store.plan(9))}
+    store = run.engine.recorder.store
+    events = {r["step"]: r["events"][0] for r, _ in store.read_records(plan(store, 9))}
     assert all("payloads" in events[s] for s in range(1, 4))
     assert all("grads" in events[s] for s in range(4, 10))  # caught by the check at step 4
     for step in range(1, 10):

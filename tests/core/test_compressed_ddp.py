@@ -16,6 +16,7 @@ from helpers import assert_bitwise_equal
 
 from diffckpt import CheckpointEngine, CheckpointOptions, GradientCompressor
 from diffckpt.codecs import LowPrecision, PowerSGD, TopK
+from diffckpt.planning import plan
 
 CODECS = {"topk": lambda: TopK(0.05), "topk-ef": lambda: TopK(0.05, error_feedback=True),
           "powersgd": lambda: PowerSGD(rank=2), "bf16": lambda: LowPrecision("bf16")}
@@ -71,8 +72,8 @@ def test_ddp_hook_payloads_replay_exactly(tmp_path, codec: str) -> None:
     mp.spawn(worker, args=(_free_port(), codec, root), nprocs=2, join=True)
     ranks = [torch.load(f"{root}.rank{r}.pt", weights_only=False) for r in (0, 1)]
     assert_bitwise_equal(ranks[0], ranks[1])  # both ranks consumed the same decoded gradients
-    store = CheckpointEngine(root).store
-    events = [r["events"][0] for r, _ in store.read_records(store.plan(STEPS))]
+    store = CheckpointEngine(root).recorder.store
+    events = [r["events"][0] for r, _ in store.read_records(plan(store, STEPS))]
     assert len(events) == STEPS and all("payloads" in e for e in events)  # checked every step
     if codec.startswith("topk"):
         assert events[0]["payloads"][0][0]["values"].shape[0] == 2  # both ranks' entries

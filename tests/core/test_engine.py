@@ -124,7 +124,7 @@ def test_restore_while_training_does_not_record_the_replay(tmp_path: Path) -> No
     # replay into the training model and optimizer themselves: their hooks must stay quiet
     result = engine.restore(m, o, 4)
     assert_state(truth, result, m, o)
-    assert engine.capture is not None and engine.capture.take() == []
+    assert engine.recorder.capture is not None and engine.recorder.capture.take() == []
     engine.close()
 
 

@@ -119,7 +119,7 @@ def test_plain_ddp_loop_resumes_bit_exact_on_every_rank(tmp_path, bucket_view: b
         for pid, state in ref["optimizer"]["state"].items():
             for key, value in state.items():
                 assert torch.equal(value, res["optimizer"]["state"][pid][key]), f"rank {rank}: {pid}.{key}"
-    meta = CheckpointEngine(root).store.session_meta(1)
+    meta = CheckpointEngine(root).recorder.store.session_meta(1)
     assert meta["world_size"] == 2 and meta["framework"] == "plain DDP loop"
 
 

@@ -38,7 +38,7 @@ from diffckpt import (
     StorageUnavailableError,
 )
 from diffckpt.runstore import RunStore
-from diffckpt.storage.retry import RetryingStorage, is_transient
+from diffckpt.storage.retry import RetryingStorage, is_transient, retry_call
 
 FAST = RetryPolicy(budget_s=0.3, initial_backoff_s=0.01, max_backoff_s=0.05)
 
@@ -97,7 +97,7 @@ def test_retry_policy_retries_transient_faults_and_gives_up_after_its_budget() -
             raise ConnectionResetError(errno.ECONNRESET, "reset")
         return "ok"
 
-    assert FAST.call(flaky, "write x") == "ok" and len(calls) == 3
+    assert retry_call(FAST, flaky, "write x") == "ok" and len(calls) == 3
 
     def down() -> None:
         calls.append(1)
@@ -106,7 +106,7 @@ def test_retry_policy_retries_transient_faults_and_gives_up_after_its_budget() -
     calls.clear()
     with pytest.raises(StorageUnavailableError, match=r"cannot write x: storage kept failing for .* attempts.*"
                        r"TimeoutError: timed out.*RetryPolicy.budget_s") as info:
-        FAST.call(down, "write x")
+        retry_call(FAST, down, "write x")
     assert len(calls) > 2 and isinstance(info.value.__cause__, TimeoutError)
 
     def denied() -> None:
@@ -115,7 +115,7 @@ def test_retry_policy_retries_transient_faults_and_gives_up_after_its_budget() -
 
     calls.clear()
     with pytest.raises(PermissionError):
-        FAST.call(denied, "write x")
+        retry_call(FAST, denied, "write x")
     assert len(calls) == 1  # permanent: no retry
 
 
@@ -166,7 +166,7 @@ def test_outage_buffers_then_blocks_training_then_drains(tmp_path: Path, caplog:
     assert "storage outage" in log and "Durable up to step 3" in log and "Connection reset by peer" in log
     assert "training waits for storage and nothing is dropped" in log
     assert "is back after" in log
-    assert engine.writer is None and storage.refused > 0
+    assert engine.recorder.writer is None and storage.refused > 0
     _assert_every_step_restores(root, truth, 13)
 
 

@@ -28,6 +28,7 @@ import pytest
 import torch
 import xxhash
 
+from diffckpt import planning
 from diffckpt.checksums import fingerprint
 from diffckpt.errors import (
     CheckpointNotFoundError,
@@ -497,9 +498,9 @@ def test_names_and_run_layout() -> None:
     assert inv.segments == [SegmentName(0, 2, 1), SegmentName(2, 4, 1)]
     assert list(inv.sessions) == [1]
     assert inv.chain(BaseName(0, 1)) == inv.segments
-    plan = store.plan()
+    plan = planning.plan(store)
     assert (plan.base, plan.segments, plan.target, plan.latest) == (BaseName(0, 1), inv.segments, 4, True)
-    assert store.plan(2).segments == [SegmentName(0, 2, 1)]
+    assert planning.plan(store, 2).segments == [SegmentName(0, 2, 1)]
     assert store.session_meta(1)["parameters"] == [["weight", [2, 3]], ["bias", [2]]]
 
 
@@ -522,7 +523,7 @@ def test_readers_ignore_dot_files_uncommitted_bases_and_gaps(tmp_path: Path) -> 
     inv = store.inventory()
     assert inv.bases == [BaseName(0, 1)]
     assert not any(p.rsplit("/", 1)[-1].startswith(".") for p in inv.sizes)
-    plan = store.plan()
+    plan = planning.plan(store)
     assert (plan.base, plan.target) == (BaseName(0, 1), 4)
     assert plan.segments == [SegmentName(0, 2, 1), SegmentName(2, 4, 1)]
 
@@ -535,10 +536,10 @@ def test_newest_generation_with_a_base_wins_for_last(tmp_path: Path) -> None:
     (newer / "state.safetensors").write_bytes(golden(BASE_STATE))
     (newer / "COMMIT").write_bytes(golden(BASE_COMMIT))
     store = RunStore(FsspecStorage(str(run)))
-    plan = store.plan()
+    plan = planning.plan(store)
     assert (plan.base, plan.segments, plan.target) == (BaseName(2, 2), [], 2)
     # an explicit step only gen 1 has is still found, newest generation first
-    assert store.plan(4).base == BaseName(0, 1)
+    assert planning.plan(store, 4).base == BaseName(0, 1)
 
 
 # =========================================================================================

@@ -13,6 +13,7 @@ from diffckpt import inventory as inventory_module
 from diffckpt.format import BaseName, SegmentName
 from diffckpt.inventory import Inventory
 from diffckpt.lifecycle.retention import RetentionPolicy, plan_gc
+from diffckpt.planning import candidates, durable_ranges
 from diffckpt.runstore import RunStore
 
 
@@ -107,8 +108,8 @@ def test_durable_ranges_and_candidates_use_the_spans() -> None:
                               SegmentName(20, 21, 1), SegmentName(0, 1, 2)])
     assert inv.durable_spans(1) == [(0, 9), (20, 21)]
     store = RunStore(None)  # type: ignore[arg-type]  # planning from an inventory reads nothing
-    assert store.durable_ranges(inv) == "g1: 0..9, 20..21; g2: 0..1"
-    plans = store.candidates(None, inv)
+    assert durable_ranges(inv) == "g1: 0..9, 20..21; g2: 0..1"
+    plans = candidates(store, None, inv)
     assert [(p.base, p.target) for p in plans] == [(BaseName(0, 2), 1)]
 
 

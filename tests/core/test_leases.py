@@ -124,7 +124,7 @@ def test_every_way_of_touching_gradients_after_the_step_restores_bitwise(tmp_pat
     leased: dict[int, bool] = {}
 
     def at_step(step: int) -> None:  # did the newest record take .grad itself?
-        event = engine.capture._events[-1]  # type: ignore[union-attr]
+        event = engine.recorder.capture._events[-1]  # type: ignore[union-attr]
         leased[step] = event["grads"][0][0] is loop.opt.param_groups[0]["params"][0].grad
 
     truth = loop.run(engine, at_step=at_step)

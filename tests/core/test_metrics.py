@@ -62,7 +62,7 @@ def test_metrics_follow_the_writer(tmp_path: Path) -> None:
     assert seen[-1]["diffckpt/writer_stall_s"] > 0  # the queue was full: training waited
     assert engine.flush() == 12
     final = engine.metrics()
-    stats = engine.writer.stats  # type: ignore[union-attr]
+    stats = engine.recorder.writer.stats  # type: ignore[union-attr]
     assert final["diffckpt/durable_step"] == 12 and final["diffckpt/durability_lag_steps"] == 0
     assert final["diffckpt/queue_fill"] == 0
     assert final["diffckpt/bytes_per_step"] == stats.segment_bytes / stats.records > 0

@@ -28,6 +28,7 @@ from helpers import ROOT, subprocess_env
 from diffckpt import CorruptRecordError, StorageError, open_storage
 from diffckpt import runstore as store_module
 from diffckpt.format import decode_segment
+from diffckpt.planning import plan
 from diffckpt.runstore import ReadStats, RunStore
 from diffckpt.tree import pack_tree, unpack_tree
 
@@ -267,7 +268,7 @@ def test_a_storage_error_while_prefetching_reaches_the_caller(
 # ------------------------------------------------------------------------------ early close
 def _plan(root: Path, storage: ReadLog) -> tuple[RunStore, Any]:
     store = RunStore(open_storage(storage))
-    return store, store.plan(STEPS)
+    return store, plan(store, STEPS)
 
 
 def test_closing_the_reader_early_stops_every_prefetch_thread(

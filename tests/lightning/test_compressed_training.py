@@ -17,6 +17,7 @@ import torch
 from helpers import assert_bitwise_equal, load_ranks, run_script
 from test_exactness import SCRIPT, SEED
 
+from diffckpt.planning import plan
 from diffckpt.runstore import RunStore
 from diffckpt.storage import open_storage
 
@@ -66,7 +67,7 @@ def _kill_and_resume(tmp_path: Path, codec: str, ranks: int, trial: str) -> tupl
 
 def _first_event(run: Path) -> dict:
     store = RunStore(open_storage(str(run)))
-    return next(r["events"][0] for r, _ in store.read_records(store.plan(1)) if r and r["events"])
+    return next(r["events"][0] for r, _ in store.read_records(plan(store, 1)) if r and r["events"])
 
 
 def _same_step(a: Path, b: Path, step: int) -> None:

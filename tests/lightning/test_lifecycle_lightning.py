@@ -18,6 +18,7 @@ from helpers import assert_bitwise_equal, run_script, subprocess_env
 from test_exactness import SCRIPT
 
 import diffckpt
+from diffckpt.planning import plan
 from diffckpt.runstore import RunStore
 
 STEPS = 60
@@ -86,7 +87,7 @@ def test_compaction_from_another_process_while_training(tmp_path: Path, referenc
         time.sleep(1.0)
         try:
             store = RunStore(diffckpt.open_storage(run))
-            newest = store.plan(None).target
+            newest = plan(store, None).target
         except (diffckpt.CheckpointNotFoundError, FileNotFoundError):
             continue
         if newest < 8 or any(r["step"] == newest for r in reports):

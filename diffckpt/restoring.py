@@ -1,0 +1,71 @@
+"""Rebuilding a located step: as plain tensors (:func:`load_located`, for ``load_state``, exports
+and the CLI) or onto the caller's live model and optimizers (:func:`restore_live`, for
+``restore`` and ``resume``). Where the step lies was decided by :func:`diffckpt.locate.locate`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any
+
+import torch
+
+from .codecs.compressor import GradientCompressor
+from .liveload import load_into_live, modules_of
+from .locate import Located
+from .offline import replay_plan
+from .planning import open_plan
+from .reassembly import full_state, replay_all
+from .replay import ReplayResult, replay
+
+__all__ = ["load_located", "restore_live"]
+
+log = logging.getLogger("diffckpt")
+
+
+def load_located(loc: Located, *, device: str = "cpu", verify: bool = True,
+                 allow_modules: tuple[str, ...] = ("torch.",)) -> dict[str, Any]:
+    """The located step as plain tensors: what :func:`diffckpt.load_state` returns (a sharded
+    session's pieces reassembled into full tensors)."""
+    if loc.sharded is not None:
+        pieces = replay_all(loc.run, loc.sharded, exact=loc.step is not None, device=device, verify=verify,
+                            allow_modules=allow_modules)
+        return full_state(loc.run, loc.sharded, pieces)
+    plan, info, base = open_plan(loc.store, loc.step, loc.inv)
+    return replay_plan(loc.store, plan, device=device, verify=verify, allow_modules=allow_modules,
+                       loaded=(info, base))
+
+
+def restore_live(loc: Located, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer], *,
+                 verify: bool = True, compressor: GradientCompressor | None = None, rank: int = 0
+                 ) -> tuple[ReplayResult, tuple[float, float | None] | None]:
+    """Load the located step into ``module`` and ``optimizers``; see
+    :meth:`diffckpt.CheckpointEngine.restore`.
+
+    Returns the result and, for a replay in this process, ``(seconds to load the base, seconds
+    per replayed step or None)`` for the auto-tuner (``None`` for a reassembled sharded step).
+    """
+    if loc.sharded is not None:  # written by sharded training: full tensors, cut to what is live here
+        full = load_located(loc, verify=verify, allow_modules=modules_of(optimizers))
+        load_into_live(module, optimizers, full, pieces=False)
+        result: ReplayResult = full["result"]
+        result.step, result.state = full["step"], full["state"]
+        return result, None
+    start = time.perf_counter()
+    plan, info, base = open_plan(loc.store, loc.step, loc.inv)
+    loaded = time.perf_counter()
+    with compressor.paused() if compressor else contextlib.nullcontext():
+        result = replay(loc.store, plan, module, optimizers, verify=verify, loaded=(info, base))
+    replayed = time.perf_counter() - loaded
+    log.info("diffckpt: restored step %d from base %d (read in %.2f s): replayed %d steps in "
+             "%.2f s (%.1f steps/s, %.1f MiB/s)", result.step, result.base_step, loaded - start,
+             result.replayed, result.replay_s, result.steps_per_s, result.read_mib_per_s)
+    if compressor is not None:
+        if result.codec_config != compressor.codec.config():  # another codec, or none, trained
+            compressor.restore(None, {})
+        else:
+            states = result.codec_states if result.step == result.base_step else None
+            compressor.restore(states[rank] if states and rank < len(states) else None, result.codec_payloads)
+    return result, (loaded - start, replayed / result.replayed if result.replayed else None)

@@ -1,0 +1,84 @@
+"""The package's layout: no import circle in the core or any adapter package (function-level
+imports included), module sizes, and the engine's public surface built by composition."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ["diffckpt", "lightning_ckpt", "accelerate_ckpt", "transformers_ckpt"]
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for f in (ROOT / pkg).rglob("*.py"):
+            name = ".".join(f.relative_to(ROOT).with_suffix("").parts)
+            out[name.removesuffix(".__init__")] = f
+    return out
+
+
+def _imports(mod: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The package modules ``mod`` imports anywhere in its code (functions too), except under
+    ``if TYPE_CHECKING:``; a parent package of ``mod`` does not count (Python imports it first)."""
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+                   for n in ast.walk(node)}
+    is_pkg = path.name == "__init__.py"
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only or not isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                parts = parts[: len(parts) - (node.level - 1)]
+                base = ".".join(parts + ([base] if base else []))
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        for name in names:
+            while name and name not in known:
+                name = name.rpartition(".")[0]
+            if name and name != mod and not mod.startswith(name + "."):
+                found.add(name)
+    return found
+
+
+def test_no_import_circle_anywhere():
+    known = _modules()
+    graph = {m: _imports(m, p, known) for m, p in known.items()}
+    circles = []
+    for start in graph:  # a path back to ``start`` through what it imports
+        seen, stack = set(), [(start, [start])]
+        while stack:
+            node, path = stack.pop()
+            for nxt in graph[node]:
+                if nxt == start:
+                    circles.append(" -> ".join([*path, start]))
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, [*path, nxt]))
+    assert not circles, "import circles:\n" + "\n".join(sorted(circles))
+
+
+def test_core_modules_stay_small():
+    big = {str(p.relative_to(ROOT)): n for p in (ROOT / "diffckpt").rglob("*.py")
+           if (n := len(p.read_text().splitlines())) > 450}
+    assert not big, f"core modules over 450 lines: {big}"
+
+
+def test_the_engine_holds_its_parts_instead_of_inheriting_them():
+    from diffckpt import CheckpointEngine
+    from diffckpt.recorder import Recorder
+
+    assert CheckpointEngine.__mro__ == (CheckpointEngine, object)
+    public = {n for n, _ in inspect.getmembers(CheckpointEngine) if not n.startswith("_")}
+    # The writer's internals are the recorder's, not the engine's public surface.
+    assert not public & {"writer", "capture", "tuning", "maintenance", "store", "stream", "join", "follow",
+                         "review", "review_due", "adopt"}
+    assert {"resume", "begin", "commit", "make_restorable", "end", "restore", "start", "record_step",
+            "write_base", "flush", "close", "recorder", "metrics"} <= public | {"recorder"}
+    assert "restore" in vars(Recorder)
