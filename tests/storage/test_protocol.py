@@ -28,6 +28,7 @@ from diffckpt.storage import (
     open_storage,
     unwrap,
 )
+from diffckpt.storage.retry import retry_call
 
 
 class Plain:
@@ -156,10 +157,10 @@ def test_retry_budget_setting_names_the_setting_in_the_error() -> None:
 
     quick = {"budget_s": 0.0, "initial_backoff_s": 0.0, "max_backoff_s": 0.0}
     with pytest.raises(StorageUnavailableError, match="RetryPolicy.budget_s sets how long to retry"):
-        RetryPolicy(**quick).call(down, "read x")
+        retry_call(RetryPolicy(**quick), down, "read x")
     cli = RetryPolicy(**quick, budget_setting="--retry-budget")
     with pytest.raises(StorageUnavailableError, match="; --retry-budget sets how long to retry"):
-        cli.call(down, "read x")
+        retry_call(cli, down, "read x")
     # It only names the budget: sessions record the same options, and policies compare as before.
     assert dataclasses.asdict(cli) == quick
     assert json.dumps(dataclasses.asdict(cli)) == json.dumps(quick)
