@@ -21,21 +21,22 @@ import accelerate
 import torch
 from accelerate import Accelerator
 
-from diffckpt.capture import check_replayable
-from diffckpt.codecs import Codec
 from diffckpt.errors import DiffCkptError
-from diffckpt.loop import LoopCheckpointer, check_log_every
-from diffckpt.options import (
+from diffckpt.integration import (
     NOT_GIVEN_BASE_EVERY_N_STEPS,
     NOT_GIVEN_EVERY_N_STEPS,
     NOT_GIVEN_WRITE_BATCH,
     Auto,
     CheckpointOptions,
+    Codec,
+    LoopCheckpointer,
     NotGiven,
+    ReplayResult,
+    check_log_every,
+    check_replayable,
     merge_options,
+    set_rng_state,
 )
-from diffckpt.replay import ReplayResult
-from diffckpt.rng import set_rng_state
 
 from .compression import GradientCompression
 from .dataloader import TrackedDataLoader
@@ -149,9 +150,9 @@ class DiffCheckpointer(LoopCheckpointer):
         step = po.step  # Accelerate patches the inner optimizer's step; the outer one is ours to wrap
 
         def checkpointed_step(*args: Any, **kwargs: Any) -> Any:
-            if self._closed or not self.accelerator.gradient_state.sync_gradients:
+            if self.driver.closed or not self.accelerator.gradient_state.sync_gradients:
                 return step(*args, **kwargs)
-            if not self._started:
+            if not self.driver.started:
                 self._start()
             result = step(*args, **kwargs)
             self.step += 1
@@ -168,7 +169,7 @@ class DiffCheckpointer(LoopCheckpointer):
         def checkpointed_step(*args: Any, **kwargs: Any) -> Any:
             result = step(*args, **kwargs)
             # A loop without a tracked loader commits once the last scheduler has stepped.
-            if not self._closed and not self._loaders and sched is self.accelerator._schedulers[-1]:
+            if not self.driver.closed and not self._loaders and sched is self.accelerator._schedulers[-1]:
                 self._boundary()
             return result
 
@@ -177,9 +178,9 @@ class DiffCheckpointer(LoopCheckpointer):
     def _start(self) -> None:
         """Start checkpointing at the current step: a session and its base (every rank calls this)."""
         acc = self.accelerator
-        self._started = True
+        self.driver.started = True
         self._resume = None
-        self.engine.begin(self.module, self.optimizers, self.step, StepState(self), compressor=self.compressor,
+        self.engine.begin(self.module, self.optimizers, self.step, self._state(), compressor=self.compressor,
                           meta={"framework": f"accelerate {accelerate.__version__}",
                                 "distributed_type": str(acc.distributed_type), "mixed_precision": acc.mixed_precision,
                                 "gradient_accumulation_steps": acc.gradient_accumulation_steps,
@@ -187,7 +188,7 @@ class DiffCheckpointer(LoopCheckpointer):
                           resume_hint="call checkpointer.restore() before training")
 
     def _state(self) -> StepState:
-        return StepState(self)
+        return StepState(self.accelerator, list(self._loaders.values()), self._saving)
 
     def _has_loggers(self) -> bool:
         return bool(self.accelerator.trackers)
@@ -212,7 +213,7 @@ class DiffCheckpointer(LoopCheckpointer):
                 or set of schedulers.
             CorruptRecordError: an explicit step cannot be rebuilt.
         """
-        if self._started:
+        if self.driver.started:
             raise DiffCkptError("restore() must be called before training starts (before the first "
                                 "batch or optimizer step after DiffCheckpointer was created)")
         result = self.engine.resume(self.module, self.optimizers, step, compressor=self.compressor,
@@ -248,17 +249,17 @@ class DiffCheckpointer(LoopCheckpointer):
         rank calls this); return the durable step where this process writes, ``None`` elsewhere."""
         self._saving = True
         try:
-            if not self._started:
+            if not self.driver.started:
                 self._start()
             else:
-                self.engine.make_restorable(self.step, StepState(self), base=True)
+                self.engine.make_restorable(self.step, self._state(), base=True)
         finally:
             self._saving = False
         return self.engine.flush()
 
     def restore_reference(self, url: str, step: int) -> int:
         """Restore ``step`` of the run at ``url`` (this run root or another one)."""
-        if self._started:
+        if self.driver.started:
             raise DiffCkptError("load_state() must be called before training starts when the "
                                 "checkpoint was saved with a DiffCheckpointer")
         result = self.engine.resume(self.module, self.optimizers, step, dirpath=url, compressor=self.compressor)

@@ -16,9 +16,8 @@ from accelerate import Accelerator
 from accelerate.utils import DDPCommunicationHookType
 from torch.nn.parallel import DistributedDataParallel
 
-from diffckpt.codecs import Codec
-from diffckpt.codecs.compressor import GradientCompressor, check_codec
 from diffckpt.errors import UnsupportedConfigurationError
+from diffckpt.integration import Codec, GradientCompressor, check_codec
 
 from .support import prepared_model
 

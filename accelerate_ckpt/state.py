@@ -12,28 +12,33 @@ from typing import TYPE_CHECKING, Any
 from accelerate import Accelerator
 
 from diffckpt.errors import IncompatibleCheckpointError
-from diffckpt.replay import ReplayResult
-from diffckpt.rng import get_rng_state
+from diffckpt.integration import ReplayResult, get_rng_state
 
 if TYPE_CHECKING:
-    from .checkpointer import DiffCheckpointer
+    from .dataloader import TrackedDataLoader
 
 __all__ = ["StepState", "load_accelerate_state"]
 
 
 class StepState:
-    """The engine's view of a checkpointer's state at a step (see ``diffckpt.engine.FrameworkState``)."""
+    """The engine's view of a checkpointer's state at a step (see ``diffckpt.engine.FrameworkState``).
 
-    def __init__(self, owner: DiffCheckpointer) -> None:
-        self.owner = owner
+    Args:
+        accelerator: the checkpointer's ``Accelerator``.
+        loaders: the tracked training loaders, in the order they were wrapped.
+        saving: the step is recorded inside ``accelerator.save_state()``, which counts its save
+            only after its pre-hook, where this runs.
+    """
+
+    def __init__(self, accelerator: Accelerator, loaders: list[TrackedDataLoader], saving: bool = False) -> None:
+        self.accelerator, self.loaders, self.saving = accelerator, loaders, saving
 
     def rank_state(self) -> dict[str, Any]:
-        return {"rng": get_rng_state(), "loaders": [t.position() for t in self.owner._loaders.values()]}
+        return {"rng": get_rng_state(), "loaders": [t.position() for t in self.loaders]}
 
     def state(self, ranks: list[Any]) -> dict[str, Any]:
-        acc = self.owner.accelerator
-        # save_state counts its save only after its pre-hook, where this runs: count it here.
-        iteration = acc.project_configuration.iteration + self.owner._saving
+        acc = self.accelerator
+        iteration = acc.project_configuration.iteration + self.saving
         return {"accelerate": {"step": acc.step, "schedulers": [s.state_dict() for s in acc._schedulers],
                                "scaler": None if acc.scaler is None else acc.scaler.state_dict(),
                                "project_iteration": iteration},

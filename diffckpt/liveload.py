@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from .compat import check_optimizers, model_problems, saved_groups
 from .errors import IncompatibleCheckpointError
 from .sharding import local, piece, sharded_like
 
@@ -27,27 +28,17 @@ def load_into_live(module: torch.nn.Module, optimizers: list[torch.optim.Optimiz
     """
     params = dict(module.named_parameters())
     own = module.state_dict()
-    problems = [f"{k!r} is in the checkpoint, not in this model" for k in state["model"] if k not in own][:3]
-    problems += [f"{k!r} is in this model, not in the checkpoint" for k in own if k not in state["model"]][:3]
-    for k, v in state["model"].items():
-        mine = params.get(k)
-        if mine is not None and list((local(mine) if pieces else mine).shape) != list(v.shape):
-            problems.append(f"{k!r} is {list(v.shape)} in the checkpoint, {list(mine.shape)} here")
-    classes, order = state.get("optimizer_classes") or [], state.get("optimizer_params") or []
-    names = {id(p): n for n, p in params.items()}
-    if len(optimizers) != len(state["optimizers"]):
-        problems.append(f"{len(state['optimizers'])} optimizer(s) in the checkpoint, {len(optimizers)} given")
-    for i, opt in enumerate(optimizers):
-        cls = f"{type(opt).__module__}.{type(opt).__qualname__}"
-        if i < len(classes) and classes[i] != cls:
-            problems.append(f"optimizer {i} was {classes[i]} in training, {cls} here")
-        mine_order = [[names.get(id(p), "") for p in g["params"]] for g in opt.param_groups]
-        if i < len(order) and mine_order != order[i]:
-            problems.append(f"optimizer {i}'s param groups hold other parameters (or another order) than in training")
+    # Pieces are compared with this rank's pieces, full tensors with the full shapes.
+    mine = {k: (local(params[k]) if pieces and k in params else v) for k, v in own.items()}
+    where = "the checkpoint"
+    problems = model_problems(mine, state["model"], dtypes=False)
     if problems:
         raise IncompatibleCheckpointError(
-            f"the checkpoint was written for a different model or optimizer: {'; '.join(problems[:6])}. Restore "
-            "it with the model and optimizers it was trained with")
+            f"{where} was written for a different model: {'; '.join(problems)}. Restore it with the "
+            "model definition it was trained with, or start a new run directory")
+    check_optimizers(optimizers, saved_groups(state["optimizers"]),
+                     {"optimizers": state.get("optimizer_classes"), "optimizer_params": state.get("optimizer_params")},
+                     {id(p): n for n, p in params.items()}, where)
     with torch.no_grad():
         for k, v in state["model"].items():
             target = params.get(k, own[k])

@@ -3,12 +3,12 @@ framework (Accelerate's ``DiffCheckpointer``, Fabric's ``FabricCheckpointer``).
 
 Users of those frameworks write their own loop, so the adapter decides where a step ends (a
 boundary: the next batch request, the last scheduler's or optimizer's step) and calls
-:meth:`LoopCheckpointer._boundary` there. Everything from that point on is the same for every
-framework and lives here: SIGTERM agreed by every rank so that all stop at the same step, the
-session started at the first boundary, each later step committed with the engine's metrics
-handed to the loop's logger, and the flush at :meth:`close` (also as a context manager, also on
-exceptions). A subclass says how its framework starts a session, what a step's state is and
-where metrics go.
+:meth:`LoopCheckpointer._boundary` there. From that point on a :class:`~diffckpt.driver.StepDriver`
+does what every framework shares (SIGTERM agreed by every rank, the session started at the first
+boundary, each later step committed, the flush at :meth:`close`); here the engine's metrics are
+handed to the loop's logger, and :meth:`close` also runs as a context manager, also on
+exceptions. A subclass says how its framework starts a session, what a step's state is and where
+metrics go.
 """
 
 from __future__ import annotations
@@ -19,22 +19,16 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from .dataorder import epoch_start_state
-from .engine import CheckpointEngine, FrameworkState
+from .driver import StepDriver, check_log_every, step_metrics
+from .engine import CheckpointEngine
 from .options import CheckpointOptions
-from .preemption import StopSignal
+from .session import FrameworkState
 
-__all__ = ["END", "LoopCheckpointer", "TrackedLoader", "check_log_every"]
+__all__ = ["END", "LoopCheckpointer", "TrackedLoader"]
 
 log = logging.getLogger("diffckpt")
 
 _Self = TypeVar("_Self", bound="LoopCheckpointer")
-
-
-def check_log_every(log_every_n_steps: Any) -> int:
-    """``log_every_n_steps`` if it is a positive number of steps, else ``ValueError``."""
-    if not isinstance(log_every_n_steps, int) or isinstance(log_every_n_steps, bool) or log_every_n_steps < 1:
-        raise ValueError(f"log_every_n_steps must be a positive number of steps, got {log_every_n_steps!r}")
-    return log_every_n_steps
 
 
 class LoopCheckpointer:
@@ -54,15 +48,14 @@ class LoopCheckpointer:
         self.log_every_n_steps = check_log_every(log_every_n_steps)
         self.engine = CheckpointEngine(url, options, storage_options)
         self.step = 0  # optimizer steps taken
-        self.durable_step: int | None = None
         self._resume: dict[str, Any] | None = None  # this rank's RNG and data position to continue from
-        self._started = self._closed = False
-        self._sigterm = StopSignal()  # acted on at the next boundary: see _boundary
+        self.driver = StepDriver(self.engine, options)
+        self.driver.arm()  # SIGTERM acted on at the next boundary: see _boundary
 
     # ------------------------------------------------------------- for subclasses
     def _start(self) -> None:
         """Start checkpointing at the current step: ``engine.begin`` with the framework's meta
-        (every rank calls this); set ``_started`` and clear ``_resume``."""
+        (every rank calls this); clear ``_resume``."""
         raise NotImplementedError
 
     def _state(self) -> FrameworkState:
@@ -84,27 +77,25 @@ class LoopCheckpointer:
     @property
     def received_sigterm(self) -> bool:
         """Whether this process got SIGTERM (it stops at the next boundary, with every rank)."""
-        return self._sigterm.received
+        return self.driver.received_sigterm
+
+    @property
+    def durable_step(self) -> int | None:
+        """The durable step :meth:`close` reported (``None`` before)."""
+        return self.driver.durable_step
+
+    def _begin(self) -> bool:
+        self._start()
+        return True
 
     def _boundary(self) -> None:
         """Everything the last step changed is in place: commit it, and stop if told to (every
         rank calls this)."""
-        if self._closed:
-            return
-        if self.engine.agree(self._sigterm.received):  # every rank stops at the same step
-            self.close(reason="stopped by SIGTERM", timeout=self.options.flush_timeout_s)
-            self._sigterm.exit()
-        if not self._started:
-            self._start()
-        elif self.step > self.engine.recorded_step:
-            done = self.engine.commit(self.step, self._state())
-            if self._has_loggers():
-                metrics = dict(done.tuning)
-                if self.step % self.log_every_n_steps == 0:  # empty where this rank does not write
-                    metrics.update(self.engine.metrics())
-                if metrics:
-                    self._log(metrics, self.step)
-        self.engine.check()
+        done = self.driver.boundary(self.step, self._begin, self._state)
+        if done is not None and self._has_loggers():
+            metrics = step_metrics(self.engine, done, self.step, self.log_every_n_steps)
+            if metrics:
+                self._log(metrics, self.step)
 
     # ---------------------------------------------------------------- shutdown
     def close(self, reason: str = "end of training", timeout: float | None = None,
@@ -119,18 +110,7 @@ class LoopCheckpointer:
             record: ``False`` flushes only what is already recorded (after an exception: the
                 step in progress may be half done, and other processes may not get here).
         """
-        if self._closed:
-            return self.durable_step
-        try:
-            if record and self._started:
-                self.engine.make_restorable(self.step, self._state())
-        finally:
-            self._closed = True
-            self._on_close()
-            self._sigterm.uninstall()
-            # Also when recording failed: what is queued still gets written.
-            self.durable_step = self.engine.end(reason, timeout)
-        return self.durable_step
+        return self.driver.close(self.step, self._state, reason, timeout, record, on_close=self._on_close)
 
     def __enter__(self: _Self) -> _Self:
         return self

@@ -22,6 +22,7 @@ import torch
 
 from .capture import StepCapture, clone_tree, group_hyperparams, tree_nbytes
 from .codecs.compressor import GradientCompressor
+from .compat import qualname
 from .errors import DiffCkptError
 from .leases import copy_tensors
 from .lifecycle.maintenance import Maintenance
@@ -125,7 +126,7 @@ class Recorder:
         body = session_body(self.options, step, {
             "optimizer_params": [[[names.get(id(p), "") for p in g["params"]] for g in o.param_groups]
                                  for o in optimizers],
-            "optimizers": [f"{type(o).__module__}.{type(o).__qualname__}" for o in optimizers],
+            "optimizers": [qualname(o) for o in optimizers],
             "parameters": [[k, list(local(p).shape)] for k, p in params.items()],
             **({"aliases": aliases} if aliases else {}),
             "codec": None if compressor is None else compressor.codec.config(), **(meta or {})})

@@ -30,6 +30,7 @@ from .capture import clone_tree, tree_nbytes
 from .checksums import fingerprint_matches
 from .codecs import Codec, codec_from_config
 from .codecs.compressor import clip_tensors
+from .compat import check_optimizers, model_problems, saved_groups
 from .errors import (
     CheckpointNotFoundError,
     CorruptRecordError,
@@ -98,56 +99,9 @@ class ReplayTarget:
 def _check_module(module: torch.nn.Module, sd: dict[str, Any]) -> None:
     # Checked before loading: load_state_dict copies every matching tensor before it reports
     # the mismatched ones, which would leave the module half-loaded.
-    own = module.state_dict()
-    problems = [f"{k!r} is in the checkpoint, not in this model" for k in sd if k not in own][:3]
-    problems += [f"{k!r} is in this model, not in the checkpoint" for k in own if k not in sd][:3]
-    for k, mine in own.items():
-        theirs = sd.get(k)
-        if isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor) and (
-                mine.shape != theirs.shape or mine.dtype != theirs.dtype):
-            problems.append(f"{k!r} is {theirs.dtype}{list(theirs.shape)} in the checkpoint, "
-                            f"{mine.dtype}{list(mine.shape)} here")
+    problems = model_problems(module.state_dict(), sd)
     if problems:
-        raise RuntimeError("; ".join(problems[:6]))
-
-
-def _qualname(obj: object) -> str:
-    return f"{type(obj).__module__}.{type(obj).__qualname__}"
-
-
-def _check_optimizers(target: ReplayTarget, optimizers: list[torch.optim.Optimizer],
-                      base: dict[str, Any], meta: dict[str, Any], where: str) -> None:
-    saved = base["optimizers"]
-    if len(optimizers) != len(saved):
-        raise IncompatibleCheckpointError(
-            f"{where} holds {len(saved)} optimizer(s) but {len(optimizers)} were given; "
-            "configure the same optimizers as in training")
-    classes = meta.get("optimizers") or []
-    recorded = meta.get("optimizer_params") or []
-    names = {id(p): n for n, p in target.params.items()}
-    for i, (opt, state) in enumerate(zip(optimizers, saved)):
-        if i < len(classes) and classes[i] != _qualname(opt):
-            raise IncompatibleCheckpointError(
-                f"{where} was written with optimizer {i} of class {classes[i]}, not {_qualname(opt)}; "
-                "replay needs the optimizer class used in training")
-        groups = state["param_groups"]
-        if len(groups) != len(opt.param_groups):
-            raise IncompatibleCheckpointError(
-                f"{where}: optimizer {i} ({type(opt).__name__}) had {len(groups)} param group(s) in "
-                f"training, {len(opt.param_groups)} now; configure the same param groups")
-        for j, (then, now) in enumerate(zip(groups, opt.param_groups)):
-            if len(then["params"]) != len(now["params"]):
-                raise IncompatibleCheckpointError(
-                    f"{where}: param group {j} of optimizer {i} had {len(then['params'])} parameters "
-                    f"in training, {len(now['params'])} now; the model or optimizer differs")
-            if i < len(recorded) and j < len(recorded[i]):
-                mine = [names.get(id(p), "") for p in now["params"]]
-                for k, (a, b) in enumerate(zip(recorded[i][j], mine)):
-                    if a != b:
-                        raise IncompatibleCheckpointError(
-                            f"{where}: param group {j} of optimizer {i} holds {b!r} at position {k}, "
-                            f"but {a!r} in training; optimizer state is matched by position, so build "
-                            "the optimizer from the parameters in the order used in training")
+        raise RuntimeError("; ".join(problems))
 
 
 def load_into(target: ReplayTarget, optimizers: list[torch.optim.Optimizer], base: dict[str, Any],
@@ -162,7 +116,8 @@ def load_into(target: ReplayTarget, optimizers: list[torch.optim.Optimizer], bas
     try:
         if target.check is not None:
             target.check(base["model"])
-        _check_optimizers(target, optimizers, base, meta or {}, where)
+        check_optimizers(optimizers, saved_groups(base["optimizers"]), meta or {},
+                         {id(p): n for n, p in target.params.items()}, where)
         target.load(base["model"])
     except RuntimeError as exc:
         raise IncompatibleCheckpointError(

@@ -8,8 +8,11 @@ calls, which every rank makes: the engine decides who writes and exchanges what 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import lightning.pytorch as pl
@@ -18,27 +21,29 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.trainer.states import TrainerFn
 
-from diffckpt.codecs import Codec
-from diffckpt.codecs.compressor import GradientCompressor
-from diffckpt.engine import CheckpointEngine
 from diffckpt.errors import DiffCkptError
-from diffckpt.options import (
+from diffckpt.integration import (
     NOT_GIVEN_BASE_EVERY_N_STEPS,
     NOT_GIVEN_EVERY_N_STEPS,
     NOT_GIVEN_WRITE_BATCH,
     Auto,
+    CheckpointEngine,
     CheckpointOptions,
+    Codec,
+    GradientCompressor,
     NotGiven,
+    get_rng_state,
     merge_options,
+    set_rng_state,
+    step_metrics,
 )
-from diffckpt.rng import get_rng_state, set_rng_state
 
 from . import model_parallel
 from .coexistence import behind_model_checkpoints, refuse_model_checkpoint_keywords
 from .compression import GradientCompression
 from .references import drop_last_candidate, last_candidate, write_reference
 from .samplers import SamplerOrderTracker
-from .state import StepState, checkpoint_dict
+from .state import StepState, checkpoint_dict, framework_dict
 
 __all__ = ["DiffCheckpoint"]
 
@@ -126,7 +131,7 @@ class DiffCheckpoint(ModelCheckpoint):
         if model_parallel.check_strategy(strategy, codec=self._compression is not None):
             # ModelParallelStrategy saves and loads without CheckpointIO: methods bound on the
             # strategy object route both through diffckpt (see model_parallel.py for why there).
-            model_parallel.install(trainer, self)
+            model_parallel.install(trainer, self._load_live, self.storage_options)
         if isinstance(strategy.checkpoint_io, DiffCheckpointIO):
             strategy.checkpoint_io.attach(self)
         if stage == "fit" and trainer.world_size > 1:
@@ -139,7 +144,7 @@ class DiffCheckpoint(ModelCheckpoint):
         if self._compression is not None:
             self._compression.on_train_start(trainer, pl_module)
         self.engine.begin(pl_module, list(trainer.optimizers), trainer.global_step,
-                          StepState(self, trainer, "batch_start", model_parallel.states_skipped), compressor=self.compressor,
+                          self._step_state(trainer, "batch_start"), compressor=self.compressor,
                           meta={"framework": f"lightning {pl.__version__}",
                                 "strategy": type(trainer.strategy).__name__},
                           resume_hint='pass ckpt_path="last" to trainer.fit')
@@ -208,14 +213,39 @@ class DiffCheckpoint(ModelCheckpoint):
         """Record the current step (every rank), then the references that wait for it."""
         step = trainer.global_step
         self._restore_at = restore_at
-        done = self.engine.commit(step, StepState(self, trainer, restore_at, model_parallel.states_skipped))
+        done = self.engine.commit(step, self._step_state(trainer, restore_at))
         # The core's metrics at the loggers' own frequency (empty where this rank does not write).
-        metrics = dict(done.tuning)
-        if step % trainer.log_every_n_steps == 0:
-            metrics.update(self.engine.metrics())
+        metrics = step_metrics(self.engine, done, step, trainer.log_every_n_steps)
         if metrics:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
+
+    def _step_state(self, trainer: pl.Trainer, restore_at: str) -> StepState:
+        """The engine's view of this step (the RNG restored at ``restore_at`` on resume)."""
+        return StepState(trainer, self._order, functools.partial(self._dumping, restore_at),
+                         model_parallel.states_skipped)
+
+    @contextlib.contextmanager
+    def _dumping(self, restore_at: str, ranks: list[Any] | None) -> Iterator[None]:
+        """Within: :meth:`state_dict` (which Lightning's dump of a step calls) says where to
+        restore the RNG and holds every rank's part."""
+        self._capture_at, self._rank_states = restore_at, ranks
+        try:
+            yield
+        finally:
+            self._capture_at, self._rank_states = "batch_start", None
+
+    def _lightning_dict(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A replayed step's Lightning checkpoint, with this rank's RNG and position."""
+        return framework_dict(state, self.state_key, self.engine, self._order)
+
+    def _load_live(self, url: str, step: int | None, module: torch.nn.Module,
+                   optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
+        """Resume ``step`` of ``url`` into the live module and optimizers (ModelParallelStrategy's
+        ``load_checkpoint``, bound by model_parallel): Lightning's part of the checkpoint."""
+        result = self.engine.resume(module, optimizers, step, dirpath=url)
+        assert result is not None  # without missing_ok, resume raises instead
+        return self._lightning_dict(result.state)
 
     # -------------------------------------------------------------- callback state
     def state_dict(self) -> dict[str, Any]:
@@ -252,7 +282,7 @@ class DiffCheckpoint(ModelCheckpoint):
         # at it carries the state, so fitting further resumes there.
         step = trainer.global_step
         if step == self.engine.recorded_step and trainer.state.fn == TrainerFn.FITTING:
-            self.engine.make_restorable(step, StepState(self, trainer, self._restore_at, model_parallel.states_skipped))
+            self.engine.make_restorable(step, self._step_state(trainer, self._restore_at))
         self._close("end of training")
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -280,7 +310,7 @@ class DiffCheckpoint(ModelCheckpoint):
         optimizers = _init_optimizers_and_lr_schedulers(module)[0]
         result = self.engine.resume(module, optimizers, step, dirpath=url, compressor=self.compressor)
         assert result is not None  # without missing_ok, resume raises instead
-        return checkpoint_dict(result.state, self, module, optimizers)
+        return checkpoint_dict(self._lightning_dict(result.state), module, optimizers)
 
     def save_reference(self, step: int, path: str) -> None:
         """Back a checkpoint that Lightning saves through DiffCheckpointIO with a reference.

@@ -15,7 +15,7 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from diffckpt.errors import DiffCkptError
-from diffckpt.storage import open_storage
+from diffckpt.integration import open_storage
 
 from .references import _split, is_reference, resolve_target
 

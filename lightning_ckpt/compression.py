@@ -17,9 +17,8 @@ import lightning.pytorch as pl
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from diffckpt.codecs import Codec
-from diffckpt.codecs.compressor import GradientCompressor, check_codec
 from diffckpt.errors import UnsupportedConfigurationError
+from diffckpt.integration import Codec, GradientCompressor, check_codec
 
 __all__ = ["GradientCompression"]
 

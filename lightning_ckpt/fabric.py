@@ -20,19 +20,20 @@ from typing import Any, Literal
 import lightning
 from lightning.fabric import Fabric
 
-from diffckpt.capture import check_replayable
 from diffckpt.errors import DiffCkptError, IncompatibleCheckpointError
-from diffckpt.loop import LoopCheckpointer, check_log_every
-from diffckpt.options import (
+from diffckpt.integration import (
     NOT_GIVEN_BASE_EVERY_N_STEPS,
     NOT_GIVEN_EVERY_N_STEPS,
     NOT_GIVEN_WRITE_BATCH,
     Auto,
     CheckpointOptions,
+    LoopCheckpointer,
     NotGiven,
+    check_log_every,
+    check_replayable,
+    get_rng_state,
     merge_options,
 )
-from diffckpt.rng import get_rng_state
 
 from .fabric_loader import TrackedFabricLoader
 from .fabric_support import check_supported, is_fabric_loader, setup_objects
@@ -120,20 +121,20 @@ class FabricCheckpointer(LoopCheckpointer):
         step = po.step
 
         def checkpointed_step(*args: Any, **kwargs: Any) -> Any:
-            if not self._closed and not self._started:
+            if not self.driver.closed and not self.driver.started:
                 raise DiffCkptError(
                     "the optimizer stepped before the first batch of a tracked loader: iterate "
                     "`for batch in ckpt.dataloader(train_loader)`, whose batch requests are where "
                     "FabricCheckpointer commits each step")
             result = step(*args, **kwargs)
-            if not self._closed:
+            if not self.driver.closed:
                 self.step += 1
             return result
 
         po.step = checkpointed_step
 
     def _start(self) -> None:
-        self._started = True
+        self.driver.started = True
         self._resume = None
         self.engine.begin(self.module, self.optimizers, self.step, _StepState(self),
                           meta={"framework": f"lightning.fabric {lightning.__version__}",
@@ -163,7 +164,7 @@ class FabricCheckpointer(LoopCheckpointer):
             IncompatibleCheckpointError: the checkpoint was written for another model, optimizer
                 or set of schedulers, or not by FabricCheckpointer.
         """
-        if self._started:
+        if self.driver.started:
             raise DiffCkptError("restore() must be called before training starts (before the first "
                                 "batch of the tracked loader)")
         result = self.engine.resume(self.module, self.optimizers, step, missing_ok=True)

@@ -13,9 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from diffckpt.dataorder import set_epoch_start_state
-from diffckpt.loop import END, TrackedLoader
-from diffckpt.rng import set_rng_state
+from diffckpt.integration import END, TrackedLoader, set_epoch_start_state, set_rng_state
 
 if TYPE_CHECKING:
     from .fabric import FabricCheckpointer

@@ -25,9 +25,9 @@ and ``teardown`` removes the bindings again, so the object is exactly as it was 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -43,13 +43,12 @@ from lightning.pytorch.strategies import (
 from lightning.pytorch.trainer.states import TrainerFn
 
 from diffckpt.errors import UnsupportedConfigurationError
-from diffckpt.sharding import is_sharded
+from diffckpt.integration import is_sharded
 
 from .references import resolve_target
-from .state import framework_dict
 
-if TYPE_CHECKING:
-    from .callback import DiffCheckpoint
+# The callback's resume of (url, step) into the live module and optimizers: Lightning's part.
+LoadLive = Callable[[str, "int | None", torch.nn.Module, list[torch.optim.Optimizer]], dict[str, Any]]
 
 __all__ = ["check_sharded", "check_strategy", "install", "states_skipped", "uninstall"]
 
@@ -104,15 +103,19 @@ def _tensor_parallel_size(strategy: ModelParallelStrategy) -> Any:
         return strategy.num_processes if size == "auto" else size
 
 
-def install(trainer: pl.Trainer, callback: DiffCheckpoint) -> None:
+def install(trainer: pl.Trainer, load_live: LoadLive, storage_options: dict[str, Any]) -> None:
     """Bind the overrides on ``trainer.strategy`` (a ``ModelParallelStrategy``); a second
-    ``setup`` (another ``fit``) keeps the bindings and points them to ``callback``."""
+    ``setup`` (another ``fit``) keeps the bindings and points them to the new callback.
+
+    ``load_live(url, step, module, optimizers)`` is the callback's resume of a step into the live
+    module and optimizers, returning Lightning's part of the checkpoint; ``storage_options``
+    its fsspec options (to read references)."""
     strategy = trainer.strategy
     glue = strategy.__dict__.get(_ATTR)
     if glue is not None:
-        glue.callback = callback
+        glue.trainer, glue.load_live, glue.storage_options = trainer, load_live, storage_options
         return
-    glue = _Glue(strategy, callback)
+    glue = _Glue(strategy, trainer, load_live, storage_options)
     for name in _BOUND:
         setattr(strategy, name, getattr(glue, name))
     setattr(strategy, _ATTR, glue)
@@ -157,8 +160,9 @@ def states_skipped(strategy: Strategy) -> Iterator[None]:
 class _Glue:
     """The methods bound on one strategy object, and the strategy's own ones they fall back to."""
 
-    def __init__(self, strategy: Strategy, callback: DiffCheckpoint) -> None:
-        self.strategy, self.callback = strategy, callback
+    def __init__(self, strategy: Strategy, trainer: pl.Trainer, load_live: LoadLive,
+                 storage_options: dict[str, Any]) -> None:
+        self.strategy, self.trainer, self.load_live, self.storage_options = strategy, trainer, load_live, storage_options
         self.instance = {n: strategy.__dict__[n] for n in _BOUND if n in strategy.__dict__}
         self.original = {n: getattr(strategy, n) for n in _BOUND}  # bound before we bind ours
         self.dumping = False
@@ -171,13 +175,13 @@ class _Glue:
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         # Rank 0 decides whether the path is ours, as the strategy broadcasts rank 0's path: the
         # ranks must all take the same branch, both of which run collectives.
-        target = resolve_target(os.fspath(checkpoint_path), self.callback.storage_options) \
+        target = resolve_target(os.fspath(checkpoint_path), self.storage_options) \
             if self.strategy.is_global_zero else None
         target = self.strategy.broadcast(target)
         if target is None:
             return self.original["load_checkpoint"](checkpoint_path, weights_only=weights_only)
         url, step = target
-        trainer = self.callback._require_trainer()
+        trainer = self.trainer
         module = trainer.lightning_module
         optimizers = list(self.strategy.optimizers)
         if trainer.state.fn != TrainerFn.FITTING and not optimizers:
@@ -185,9 +189,7 @@ class _Glue:
             optimizers = _init_optimizers_and_lr_schedulers(module)[0]
         # Into the live module (sharded, converted, on its device) and the strategy's own
         # optimizers: nothing is rebuilt, so nothing Lightning holds goes stale.
-        result = self.callback.engine.resume(module, optimizers, step, dirpath=url)
-        assert result is not None  # without missing_ok, resume raises instead
-        return framework_dict(result.state, self.callback)
+        return self.load_live(url, step, module, optimizers)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         if self._ours():  # every rank calls; the engine lets rank 0 write the reference

@@ -17,8 +17,7 @@ import shutil
 import tempfile
 from typing import Any
 
-from diffckpt.runstore import RUN_FILE
-from diffckpt.storage import FsspecStorage, open_storage
+from diffckpt.integration import RUN_FILE, FsspecStorage, open_storage
 
 __all__ = ["drop_last_candidate", "is_reference", "last_candidate", "read_reference", "resolve_target",
            "write_reference"]

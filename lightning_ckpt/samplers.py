@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 
-from diffckpt.rng import get_rng_state, set_rng_state
+from diffckpt.integration import get_rng_state, set_rng_state
 
 __all__ = ["SamplerOrderTracker"]
 

@@ -16,65 +16,69 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import Strategy
 
-from diffckpt.rng import get_rng_state
+from diffckpt.integration import get_rng_state
 
 if TYPE_CHECKING:
-    from .callback import DiffCheckpoint
+    from diffckpt.integration import CheckpointEngine
+
+    from .samplers import SamplerOrderTracker
 
 __all__ = ["StepState", "checkpoint_dict", "framework_dict"]
 
 
 class StepState:
     """What Lightning adds to a restorable step: its own checkpoint dict, and each rank's RNG and
-    loop position (Lightning saves only rank 0's loader state and restores it on every rank)."""
+    loop position (Lightning saves only rank 0's loader state and restores it on every rank).
 
-    def __init__(self, callback: DiffCheckpoint, trainer: pl.Trainer, restore_at: str,
+    Args:
+        trainer: the running Trainer.
+        order: the callback's sampler order tracker (each rank's shuffling generator).
+        dumping: the callback's context manager under which ``DiffCheckpoint.state_dict`` (which
+            Lightning's dump calls) adds where to restore the RNG and every rank's part.
+        states_skipped: model_parallel's, under which the strategy's bound state-dict methods
+            return nothing (no sharded state dicts are built to be dropped).
+    """
+
+    def __init__(self, trainer: pl.Trainer, order: SamplerOrderTracker,
+                 dumping: Callable[[list[Any] | None], AbstractContextManager[None]],
                  states_skipped: Callable[[Strategy], AbstractContextManager[None]]) -> None:
-        # ``states_skipped``: model_parallel's, which makes the strategy's bound state-dict
-        # methods return nothing while Lightning's part of the step is dumped.
-        self.callback, self.trainer, self.restore_at = callback, trainer, restore_at
-        self.states_skipped = states_skipped
+        self.trainer, self.order, self.dumping, self.states_skipped = trainer, order, dumping, states_skipped
 
     def rank_state(self) -> dict[str, Any] | None:
         if self.trainer.world_size == 1:  # nothing per rank to keep: state() records it all
             return None
         return {"rng": get_rng_state(), "loops": self.trainer.fit_loop.on_save_checkpoint(),
-                "sampler_rng": self.callback._order.captured}
+                "sampler_rng": self.order.captured}
 
     def state(self, ranks: list[Any]) -> dict[str, Any]:
-        # DiffCheckpoint.state_dict, called by dump_checkpoint, adds the RNG, where to restore it
-        # and, under DDP, every rank's part.
-        cb = self.callback
-        cb._capture_at, cb._rank_states = self.restore_at, ranks if len(ranks) > 1 else None
-        try:
-            with self.states_skipped(self.trainer.strategy):  # no sharded state dicts built to be dropped
-                ckpt = self.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        finally:
-            cb._capture_at, cb._rank_states = "batch_start", None
+        with self.dumping(ranks if len(ranks) > 1 else None), self.states_skipped(self.trainer.strategy):
+            ckpt = self.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         ckpt.pop("state_dict", None)  # replay rebuilds these two
         ckpt.pop("optimizer_states", None)
         return ckpt
 
 
-def framework_dict(state: dict[str, Any], callback: DiffCheckpoint) -> dict[str, Any]:
+def framework_dict(state: dict[str, Any], state_key: str, engine: CheckpointEngine,
+                   order: SamplerOrderTracker) -> dict[str, Any]:
     """The Lightning checkpoint of a replayed step, with this rank's RNG and position, without
-    model and optimizer states (replay has put them into the live objects)."""
+    model and optimizer states (replay has put them into the live objects). ``state_key``: the
+    callback's key in the checkpoint's ``callbacks``; ``order``: its sampler order tracker."""
     ckpt = dict(state)
-    ours = ckpt.get("callbacks", {}).get(callback.state_key, {})
-    mine = callback.engine.own(ours["ranks"]) if ours.get("ranks") else None
+    ours = ckpt.get("callbacks", {}).get(state_key, {})
+    mine = engine.own(ours["ranks"]) if ours.get("ranks") else None
     if mine is not None:
-        ckpt["callbacks"][callback.state_key] = dict(ours, rng=mine["rng"])
+        ckpt["callbacks"][state_key] = dict(ours, rng=mine["rng"])
         fit_loop = ckpt["loops"]["fit_loop"]
         fit_loop["state_dict"] = dict(fit_loop.get("state_dict", {}), **mine["loops"])
         if mine.get("sampler_rng") is not None:
-            callback._order.replay = mine["sampler_rng"]
+            order.replay = mine["sampler_rng"]
     return ckpt
 
 
-def checkpoint_dict(state: dict[str, Any], callback: DiffCheckpoint, module: torch.nn.Module,
-                    optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
-    """The complete Lightning checkpoint of a replayed step, with this rank's RNG and position."""
-    ckpt = framework_dict(state, callback)
+def checkpoint_dict(ckpt: dict[str, Any], module: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
+                    ) -> dict[str, Any]:
+    """The complete Lightning checkpoint of a replayed step: :func:`framework_dict`'s ``ckpt``
+    with the live model and optimizer states."""
     ckpt["state_dict"] = module.state_dict()
     ckpt["optimizer_states"] = [o.state_dict() for o in optimizers]
     return ckpt

@@ -82,3 +82,33 @@ def test_the_engine_holds_its_parts_instead_of_inheriting_them():
     assert {"resume", "begin", "commit", "make_restorable", "end", "restore", "start", "record_step",
             "write_base", "flush", "close", "recorder", "metrics"} <= public | {"recorder"}
     assert "restore" in vars(Recorder)
+
+
+def test_adapters_use_the_declared_toolkit_only():
+    """Adapters import the core through ``diffckpt.integration`` (and the public ``diffckpt`` and
+    ``diffckpt.errors``; ``diffckpt.extras`` in their ``__init__``, before the framework)."""
+    allowed = {"diffckpt", "diffckpt.errors", "diffckpt.integration", "diffckpt.extras"}
+    found = {}
+    for pkg in PACKAGES[1:]:
+        for f in (ROOT / pkg).rglob("*.py"):
+            for node in ast.walk(ast.parse(f.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("diffckpt"):
+                    if node.module not in allowed:
+                        found[f"{f.relative_to(ROOT)}:{node.lineno}"] = node.module
+                elif isinstance(node, ast.Import):
+                    found.update({f"{f.relative_to(ROOT)}:{node.lineno}": a.name for a in node.names
+                                  if a.name.startswith("diffckpt.") and a.name not in allowed})
+    assert not found, f"adapters reach past diffckpt.integration: {found}"
+
+
+def test_the_integration_toolkit_is_pinned():
+    import diffckpt.integration as integration
+
+    assert sorted(integration.__all__) == sorted([
+        "END", "HF_TRAINER_KEY", "NOT_GIVEN_BASE_EVERY_N_STEPS", "NOT_GIVEN_EVERY_N_STEPS", "NOT_GIVEN_WRITE_BATCH",
+        "RUN_FILE", "Auto", "CheckpointEngine", "CheckpointOptions", "Codec", "Committed", "FrameworkState",
+        "FsspecStorage", "GradientCompressor", "LoopCheckpointer", "NotGiven", "ReplayResult", "StepDriver",
+        "StopSignal", "TrackedLoader", "check_codec", "check_log_every", "check_replayable", "epoch_start_state",
+        "get_rng_state", "is_sharded", "merge_options", "open_storage", "require_extra", "set_epoch_start_state",
+        "set_rng_state", "step_metrics"])
+    assert all(hasattr(integration, name) for name in integration.__all__)

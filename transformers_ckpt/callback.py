@@ -27,20 +27,21 @@ from typing import Any
 import transformers
 from transformers import Trainer, TrainerCallback
 
-from diffckpt.capture import check_replayable
-from diffckpt.engine import CheckpointEngine
 from diffckpt.errors import CheckpointNotFoundError, CorruptRecordError, DiffCkptError
-from diffckpt.options import (
+from diffckpt.integration import (
     NOT_GIVEN_BASE_EVERY_N_STEPS,
     NOT_GIVEN_EVERY_N_STEPS,
     NOT_GIVEN_WRITE_BATCH,
     Auto,
+    CheckpointEngine,
     CheckpointOptions,
     NotGiven,
+    StepDriver,
+    check_replayable,
+    get_rng_state,
     merge_options,
+    set_rng_state,
 )
-from diffckpt.preemption import StopSignal
-from diffckpt.rng import get_rng_state, set_rng_state
 
 from .reporting import MetricsToReports
 from .resume_point import (
@@ -89,15 +90,13 @@ class DiffCheckpointCallback(TrainerCallback):
         self.storage_options = dict(storage_options or {})
         self.engine = CheckpointEngine(self.url, self.options, self.storage_options)
         self.trainer: Any = None
-        self.durable_step: int | None = None
         self.resumed_step: int | None = None  # the step train() resumed, if it resumed one of ours
         self.epoch_rng: dict[str, Any] | None = None  # this rank's RNG at the current epoch's start
         self.epoch_generator: Any = None  # and its loader's shuffling generator, if it has one
         self.log_cache: list[str] = []  # log_history entries encoded as JSON (see trainer_state_json)
         self._resume: dict[str, Any] | None = None  # this rank's restored RNG, until its event
         self._step = 0  # the newest optimizer step taken (TrainerState.global_step)
-        self._started = self._closed = False
-        self._sigterm: StopSignal | None = None
+        self.driver = StepDriver(self.engine, self.options)
         self._begin_at_step = False
 
     # ------------------------------------------------------------------ resuming
@@ -157,7 +156,6 @@ class DiffCheckpointCallback(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         trainer = self._attach()
-        self._started = self._closed = False  # a later train() call is a session of its own
         self._resume = self.epoch_rng = self.epoch_generator = None
         self.log_cache.clear()
         optimizer = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
@@ -176,7 +174,7 @@ class DiffCheckpointCallback(TrainerCallback):
         # After a resume from one of the Trainer's own saves, the Trainer restores the RNG just
         # before the first step: the session's base is taken there, with that RNG.
         self._begin_at_step = marker is None and state.global_step > 0
-        self._sigterm = StopSignal()
+        self.driver.arm()  # a later train() call is a session of its own
         atexit.register(self._interrupted)
 
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -231,7 +229,7 @@ class DiffCheckpointCallback(TrainerCallback):
             self.trainer = trainer
             # First of all callbacks, so that the reporting integrations (which the Trainer puts
             # before the user's callbacks) are handed the metrics too.
-            trainer.callback_handler.callbacks.insert(0, MetricsToReports(self))
+            trainer.callback_handler.callbacks.insert(0, MetricsToReports(self.driver))
         return self.trainer
 
     def _require_trainer(self) -> None:
@@ -265,18 +263,16 @@ class DiffCheckpointCallback(TrainerCallback):
         log.info("diffckpt: resumed step %d of %s (base %d + %d replayed steps)", result.step, self.url,
                  result.base_step, result.replayed)
 
+    @property
+    def durable_step(self) -> int | None:
+        """The durable step the last session's close reported (``None`` before)."""
+        return self.driver.durable_step
+
     def _point(self, at: str, control: Any) -> None:
         """A loop event after which the last step is final: start recording, or commit it."""
-        if self._closed:
-            return
-        assert self._sigterm is not None
-        if self.engine.agree(self._sigterm.received):  # every rank stops at the same step
-            self.close(reason="stopped by SIGTERM", timeout=self.options.flush_timeout_s, at=at)
-            self._sigterm.exit()
-        if not self._started:
+        def begin() -> bool:
             if self._begin_at_step and at == "epoch":
-                return
-            self._started = True
+                return False
             trainer = self.trainer
             self.engine.begin(self._module, self._optimizers, self._step, StepState(self, at),
                               meta={"framework": f"transformers {transformers.__version__}",
@@ -284,31 +280,18 @@ class DiffCheckpointCallback(TrainerCallback):
                                     "gradient_accumulation_steps": trainer.args.gradient_accumulation_steps,
                                     "output_dir": os.path.basename(os.path.abspath(trainer.args.output_dir))},
                               resume_hint="pass resume_from_checkpoint=True to trainer.train")
-        elif self._step > self.engine.recorded_step:
-            self.engine.commit(self._step, StepState(self, at))
-        self.engine.check()
+            return True
+
+        self.driver.boundary(self._step, begin, lambda: StepState(self, at))
 
     def close(self, reason: str = "end of training", timeout: float | None = None, at: str = "step",
               record: bool = True) -> int | None:
         """Record the last step as restorable, flush and stop writing; return the durable step.
         ``on_train_end`` calls it; every process must. ``record=False`` flushes only what is
         recorded (the model no longer holds the last step's weights)."""
-        if self._closed:
-            return self.durable_step
-        try:
-            if self._started and record:
-                self.engine.make_restorable(self._step, StepState(self, at))
-        finally:
-            self._closed = True
-            atexit.unregister(self._interrupted)
-            if self._sigterm is not None:
-                self._sigterm.uninstall()
-            self.durable_step = self.engine.end(reason, timeout)
-        return self.durable_step
+        return self.driver.close(self._step, lambda: StepState(self, at), reason, timeout, record,
+                                 on_close=lambda: atexit.unregister(self._interrupted))
 
     def _interrupted(self) -> None:
         """At interpreter exit without on_train_end (an exception in training): flush what is recorded."""
-        if not self._closed:
-            self._closed = True
-            self.durable_step = self.engine.end("interrupted before the end of training",
-                                                self.options.flush_timeout_s)
+        self.driver.interrupted("interrupted before the end of training")

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from transformers import TrainerCallback
 
-if TYPE_CHECKING:
-    from .callback import DiffCheckpointCallback
+from diffckpt.integration import StepDriver
 
 __all__ = ["MetricsToReports"]
 
@@ -20,11 +19,11 @@ class MetricsToReports(TrainerCallback):
     so the metrics never enter ``log_history`` nor ``trainer_state.json``: those stay what a run
     without diffckpt writes (the metrics depend on the writer's timing, not on training)."""
 
-    def __init__(self, owner: DiffCheckpointCallback) -> None:
-        self.owner = owner
+    def __init__(self, driver: StepDriver) -> None:
+        self.driver = driver  # the callback's session: metrics only while it records
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None,
                **kwargs: Any) -> None:
-        owner = self.owner
-        if logs is not None and "loss" in logs and owner._started and not owner._closed:  # not evaluation
-            logs.update(owner.engine.metrics())  # empty where this process does not write
+        driver = self.driver
+        if logs is not None and "loss" in logs and driver.started and not driver.closed:  # not evaluation
+            logs.update(driver.engine.metrics())  # empty where this process does not write

@@ -13,9 +13,11 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from diffckpt.errors import IncompatibleCheckpointError
-from diffckpt.hf_trainer import KEY  # the recorded state's key, which the hf-trainer export reads
-from diffckpt.replay import ReplayResult
-from diffckpt.rng import get_rng_state
+from diffckpt.integration import (  # the recorded state's key, which the hf-trainer export reads
+    HF_TRAINER_KEY,
+    ReplayResult,
+    get_rng_state,
+)
 
 if TYPE_CHECKING:
     from .callback import DiffCheckpointCallback
@@ -76,7 +78,7 @@ class StepState:
     def state(self, ranks: list[Any]) -> dict[str, Any]:
         trainer = self.owner.trainer
         scaler = trainer.accelerator.scaler
-        return {KEY: {"trainer_state": trainer_state_json(trainer, self.owner.log_cache),
+        return {HF_TRAINER_KEY: {"trainer_state": trainer_state_json(trainer, self.owner.log_cache),
                       "scheduler": trainer.lr_scheduler.state_dict(),
                       "scaler": None if scaler is None else scaler.state_dict(),
                       "world_size": trainer.args.world_size},
@@ -93,7 +95,7 @@ def load_trainer_state(trainer: Any, result: ReplayResult, url: str) -> list[Any
     from transformers.trainer_callback import TrainerState
 
     state = result.state
-    ours = state.get(KEY) if isinstance(state, dict) else None
+    ours = state.get(HF_TRAINER_KEY) if isinstance(state, dict) else None
     if ours is None:
         raise IncompatibleCheckpointError(
             f"step {result.step} under {url} was not written by transformers_ckpt (no Trainer state); "
