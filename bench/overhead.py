@@ -103,7 +103,8 @@ def child(args: argparse.Namespace) -> None:
             self.t_loop_end = time.perf_counter()
             for cb in trainer.callbacks:
                 if isinstance(cb, DiffCheckpoint):
-                    self.writer = cb.engine.recorder.writer  # its stats stay readable after close
+                    # The engine holds its writer in .recorder (before, it was the writer itself: --before)
+                    self.writer = getattr(cb.engine, "recorder", cb.engine).writer  # readable after close
 
     class DcpAsyncEveryStep(L.Callback):
         def __init__(self, root: str) -> None:

@@ -87,10 +87,16 @@ from gpt import GPT, SIZES, make_loader
 from provenance import checkout, header, report_path, write_report
 
 import diffckpt.runstore
-from diffckpt import CheckpointEngine, CheckpointOptions, GradientCompressor, planning
+from diffckpt import CheckpointEngine, CheckpointOptions, GradientCompressor
 from diffckpt.capture import clone_tree
 from diffckpt.codecs import TopK
 from diffckpt.runstore import RunStore
+
+try:
+    from diffckpt.planning import plan as plan_step
+except ImportError:  # a --before child runs the package as committed before planning.py existed
+    def plan_step(store: RunStore, step: int, inv: Any) -> Any:
+        return store.plan(step, inv)
 
 CHAINS = (0, 10, 100, 1000)
 WRITE_BATCH = 8
@@ -383,7 +389,7 @@ def chain_bytes(run: Run, step: int) -> int:
     one holding ``step`` (read whole)."""
     store = RunStore(CheckpointEngine(run.root).storage)
     inv = store.inventory()
-    plan = planning.plan(store, step, inv)
+    plan = plan_step(store, step, inv)
     base = [p for p in inv.sizes if p.startswith(os.path.dirname(plan.base.commit_path) + "/")]
     return sum(inv.sizes[p] for p in base) + sum(plan.sizes.values())
 
