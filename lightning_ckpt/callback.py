@@ -8,11 +8,9 @@ calls, which every rank makes: the engine decides who writes and exchanges what 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import lightning.pytorch as pl
@@ -32,9 +30,7 @@ from diffckpt.integration import (
     Codec,
     GradientCompressor,
     NotGiven,
-    get_rng_state,
     merge_options,
-    set_rng_state,
     step_metrics,
 )
 
@@ -43,7 +39,7 @@ from .coexistence import behind_model_checkpoints, refuse_model_checkpoint_keywo
 from .compression import GradientCompression
 from .references import drop_last_candidate, last_candidate, write_reference
 from .samplers import SamplerOrderTracker
-from .state import StepState, checkpoint_dict, framework_dict
+from .state import CallbackState, StepState, checkpoint_dict, framework_dict
 
 __all__ = ["DiffCheckpoint"]
 
@@ -91,12 +87,9 @@ class DiffCheckpoint(ModelCheckpoint):
         self.durable_step: int | None = None
         self._trainer: pl.Trainer | None = None
         self._restore_at = "batch_start"  # where the RNG of the newest recorded step is restored
-        self._pending_rng: dict[str, Any] | None = None
-        self._pending_at = "batch_start"
-        self._capture_at = "batch_start"
+        self._own = CallbackState()  # DiffCheckpoint's part of Lightning's checkpoint: the RNG
         self._deferred = False
         self._epoch_end = False
-        self._rank_states: list[dict[str, Any]] | None = None
         self._order = SamplerOrderTracker()
         self._last: str | None = None  # a local reference for ckpt_path="last" (remote runs)
 
@@ -165,11 +158,7 @@ class DiffCheckpoint(ModelCheckpoint):
         self.engine.check()
 
     def _apply_pending_rng(self, where: str) -> None:
-        # RNG is restored where it was captured relative to the data: before the next batch
-        # mid-epoch, before the next epoch's iterator (which draws from it) at an epoch end.
-        if self._pending_rng is not None and (where == self._pending_at or where == "batch_start"):
-            set_rng_state(self._pending_rng)
-            self._pending_rng = None
+        self._own.apply_pending(where)
         if where == "batch_start":
             self._order.replay = None
 
@@ -222,18 +211,8 @@ class DiffCheckpoint(ModelCheckpoint):
 
     def _step_state(self, trainer: pl.Trainer, restore_at: str) -> StepState:
         """The engine's view of this step (the RNG restored at ``restore_at`` on resume)."""
-        return StepState(trainer, self._order, functools.partial(self._dumping, restore_at),
+        return StepState(trainer, self._order, functools.partial(self._own.dumping, restore_at),
                          model_parallel.states_skipped)
-
-    @contextlib.contextmanager
-    def _dumping(self, restore_at: str, ranks: list[Any] | None) -> Iterator[None]:
-        """Within: :meth:`state_dict` (which Lightning's dump of a step calls) says where to
-        restore the RNG and holds every rank's part."""
-        self._capture_at, self._rank_states = restore_at, ranks
-        try:
-            yield
-        finally:
-            self._capture_at, self._rank_states = "batch_start", None
 
     def _lightning_dict(self, state: dict[str, Any]) -> dict[str, Any]:
         """A replayed step's Lightning checkpoint, with this rank's RNG and position."""
@@ -249,17 +228,10 @@ class DiffCheckpoint(ModelCheckpoint):
 
     # -------------------------------------------------------------- callback state
     def state_dict(self) -> dict[str, Any]:
-        if self._pending_rng is not None:
-            state = {"rng": self._pending_rng, "restore_at": self._pending_at}
-        else:
-            state = {"rng": get_rng_state(), "restore_at": self._capture_at}
-        if self._rank_states is not None:
-            state["ranks"] = self._rank_states
-        return state
+        return self._own.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._pending_rng = state_dict.get("rng")
-        self._pending_at = state_dict.get("restore_at", "batch_start")
+        self._own.load_state_dict(state_dict)
 
     # ---------------------------------------------------------------- shutdown
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:

@@ -8,7 +8,8 @@ recorded without the model and optimizer states, which replay rebuilds. Lightnin
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -16,14 +17,57 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import Strategy
 
-from diffckpt.integration import get_rng_state
+from diffckpt.integration import get_rng_state, set_rng_state
 
 if TYPE_CHECKING:
     from diffckpt.integration import CheckpointEngine
 
     from .samplers import SamplerOrderTracker
 
-__all__ = ["StepState", "checkpoint_dict", "framework_dict"]
+__all__ = ["CallbackState", "StepState", "checkpoint_dict", "framework_dict"]
+
+
+class CallbackState:
+    """``DiffCheckpoint``'s own part of Lightning's checkpoint dict (its ``state_dict``): the RNG
+    at the step, where to restore it, and under DDP every rank's part; after a restore, the RNG
+    waiting for its point in the loop."""
+
+    def __init__(self) -> None:
+        self.pending_rng: dict[str, Any] | None = None
+        self.pending_at = "batch_start"
+        self.capture_at = "batch_start"
+        self.ranks: list[Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.pending_rng is not None:
+            state = {"rng": self.pending_rng, "restore_at": self.pending_at}
+        else:
+            state = {"rng": get_rng_state(), "restore_at": self.capture_at}
+        if self.ranks is not None:
+            state["ranks"] = self.ranks
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.pending_rng = state_dict.get("rng")
+        self.pending_at = state_dict.get("restore_at", "batch_start")
+
+    def apply_pending(self, where: str) -> None:
+        """The loop reached ``where``: restore the RNG waiting for it. RNG is restored where it was
+        captured relative to the data: before the next batch mid-epoch, before the next epoch's
+        iterator (which draws from it) at an epoch end."""
+        if self.pending_rng is not None and (where == self.pending_at or where == "batch_start"):
+            set_rng_state(self.pending_rng)
+            self.pending_rng = None
+
+    @contextlib.contextmanager
+    def dumping(self, restore_at: str, ranks: list[Any] | None) -> Iterator[None]:
+        """Within: :meth:`state_dict` (which Lightning's dump of a step calls) says to restore the
+        RNG at ``restore_at`` and holds every rank's part."""
+        self.capture_at, self.ranks = restore_at, ranks
+        try:
+            yield
+        finally:
+            self.capture_at, self.ranks = "batch_start", None
 
 
 class StepState:
