@@ -63,10 +63,12 @@ class Coordination:
                     "0's are used (the resumed run will not be bit-exact)", len(ranks), self.world_size)
         return None
 
-    def decided(self, fn: Callable[[], Any], what: str, send: Callable[[Any], Any] = lambda v: v) -> Any:
+    def decided(self, fn: Callable[[], Any], what: str, send: Callable[[Any], Any] = lambda v: v,
+                then: str = "") -> Any:
         """``fn()`` run on rank 0, and ``send(value)`` given to every other rank; rank 0's error
-        is raised on every rank (as :class:`DiffCkptError` naming ``what`` failed), so that none
-        waits forever. Rank 0 returns ``fn()`` itself, the others what was sent."""
+        is raised on every rank (as :class:`DiffCkptError` saying ``what`` failed, and ``then``,
+        what follows from it), so that none waits forever. Rank 0 returns ``fn()`` itself, the
+        others what was sent."""
         coll = self.collective
         if coll.world_size == 1:
             return fn()
@@ -80,7 +82,7 @@ class Coordination:
             return value
         kind, value = coll.broadcast(None)
         if kind == "error":
-            raise DiffCkptError(f"{what} failed on process 0 ({value})")
+            raise DiffCkptError(f"{what} failed on process 0 ({value})" + (f"; {then}" if then else ""))
         return value
 
     def everyone(self, fn: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any] | None, list[tuple[str, Any]]]:

@@ -49,9 +49,11 @@ class StepDriver:
         durable_step: the durable step :meth:`close` reported.
     """
 
-    def __init__(self, engine: CheckpointEngine, options: CheckpointOptions) -> None:
+    def __init__(self, engine: CheckpointEngine, options: CheckpointOptions,
+                 on_close: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.options = options
+        self.on_close = on_close  # undoes what the adapter hooked into its framework, at any close
         self.started = self.closed = False
         self.durable_step: int | None = None
         self._sigterm: StopSignal | None = None
@@ -71,7 +73,8 @@ class StepDriver:
         """Everything ``step`` changed is in place: stop with every rank if any got SIGTERM
         (flushing within ``flush_timeout_s``), else begin the session (``begin()`` calls
         ``engine.begin`` and returns ``False`` to wait for a later boundary) or commit ``step``
-        if it is new. Returns what the commit did (``None``: nothing committed)."""
+        if it is new. Returns what the commit did (``None``: nothing committed). The caller
+        then hands the metrics on and calls ``engine.check()``."""
         if self.closed:
             return None
         if self.engine.agree(self.received_sigterm):  # every rank stops at the same step
@@ -83,16 +86,14 @@ class StepDriver:
             self.started = begin()
         elif step > self.engine.recorded_step:
             done = self.engine.commit(step, state())
-        self.engine.check()
         return done
 
     def close(self, step: int, state: Callable[[], FrameworkState], reason: str = "end of training",
-              timeout: float | None = None, record: bool = True,
-              on_close: Callable[[], None] | None = None) -> int | None:
+              timeout: float | None = None, record: bool = True) -> int | None:
         """Make ``step`` restorable (unless not ``record``: the step in progress may be half done
         after an exception), flush and end the session; return the durable step. ``on_close``
-        undoes what the adapter hooked into its framework, after the last step is recorded.
-        What is queued is written even when recording fails."""
+        (given at construction) runs after the last step is recorded. What is queued is written
+        even when recording fails."""
         if self.closed:
             return self.durable_step
         try:
@@ -100,8 +101,8 @@ class StepDriver:
                 self.engine.make_restorable(step, state())
         finally:
             self.closed = True
-            if on_close is not None:
-                on_close()
+            if self.on_close is not None:
+                self.on_close()
             if self._sigterm is not None:
                 self._sigterm.uninstall()
             self.durable_step = self.engine.end(reason, timeout)

@@ -29,7 +29,7 @@ def load_into_live(module: torch.nn.Module, optimizers: list[torch.optim.Optimiz
     params = dict(module.named_parameters())
     own = module.state_dict()
     # Pieces are compared with this rank's pieces, full tensors with the full shapes.
-    mine = {k: (local(params[k]) if pieces and k in params else v) for k, v in own.items()}
+    mine = {k: local(v) if pieces else v for k, v in own.items()}  # a tied alias too
     where = "the checkpoint"
     problems = model_problems(mine, state["model"], dtypes=False)
     if problems:

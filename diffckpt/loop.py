@@ -49,13 +49,14 @@ class LoopCheckpointer:
         self.engine = CheckpointEngine(url, options, storage_options)
         self.step = 0  # optimizer steps taken
         self._resume: dict[str, Any] | None = None  # this rank's RNG and data position to continue from
-        self.driver = StepDriver(self.engine, options)
+        self.driver = StepDriver(self.engine, options, on_close=self._on_close)
         self.driver.arm()  # SIGTERM acted on at the next boundary: see _boundary
 
     # ------------------------------------------------------------- for subclasses
     def _start(self) -> None:
         """Start checkpointing at the current step: ``engine.begin`` with the framework's meta
-        (every rank calls this); clear ``_resume``."""
+        (every rank calls this); set ``self.driver.started`` (it is called outside
+        :meth:`_boundary` too) and clear ``_resume``."""
         raise NotImplementedError
 
     def _state(self) -> FrameworkState:
@@ -91,11 +92,14 @@ class LoopCheckpointer:
     def _boundary(self) -> None:
         """Everything the last step changed is in place: commit it, and stop if told to (every
         rank calls this)."""
+        if self.driver.closed:
+            return
         done = self.driver.boundary(self.step, self._begin, self._state)
         if done is not None and self._has_loggers():
             metrics = step_metrics(self.engine, done, self.step, self.log_every_n_steps)
             if metrics:
                 self._log(metrics, self.step)
+        self.engine.check()
 
     # ---------------------------------------------------------------- shutdown
     def close(self, reason: str = "end of training", timeout: float | None = None,
@@ -110,7 +114,7 @@ class LoopCheckpointer:
             record: ``False`` flushes only what is already recorded (after an exception: the
                 step in progress may be half done, and other processes may not get here).
         """
-        return self.driver.close(self.step, self._state, reason, timeout, record, on_close=self._on_close)
+        return self.driver.close(self.step, self._state, reason, timeout, record)
 
     def __enter__(self: _Self) -> _Self:
         return self

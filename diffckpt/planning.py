@@ -102,14 +102,14 @@ def open_plan(store: RunStore, step: int | None = None, inv: Inventory | None = 
             continue
         if problems:
             warnings.warn(f"diffckpt: {'; '.join(problems)}; using the older base at step "
-                          f"{found.base.step} instead, restoring step {found.target}", stacklevel=3)
+                          f"{found.base.step} instead, restoring step {found.target}", stacklevel=4)
         beyond = [s for s in inv.segments if s.gen == found.base.gen and s.last > found.target]
         if found.latest and beyond:
             warnings.warn(
                 f"diffckpt: nothing continues session g{found.base.gen} after step {found.target} "
                 f"(a segment is missing before {beyond[0].path}); its steps up to "
                 f"{max(s.last for s in beyond)} cannot be rebuilt. Restoring step {found.target}, "
-                "the newest step before the gap", stacklevel=3)
+                "the newest step before the gap", stacklevel=4)
         return found, info, tree
     raise CorruptRecordError(
         f"no usable base for {'the newest step' if step is None else f'step {step}'} under "

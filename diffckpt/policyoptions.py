@@ -11,7 +11,9 @@ from typing import TYPE_CHECKING
 
 __all__ = ["AUTO", "RetentionPolicy", "RetryPolicy", "TuningOptions"]
 
-_JITTER = random.Random()  # retry waits: jitter, not a reproducible stream
+# Retry waits draw from a generator of our own: the global ``random`` state belongs to
+# training, which checkpoints it.
+_JITTER = random.Random()
 
 AUTO = "auto"  # a setting the auto-tuner chooses (every_n_steps, write_batch, base_every_n_steps)
 

@@ -44,7 +44,8 @@ class Resumption:
                step: int | None, compressor: GradientCompressor | None, missing_ok: bool) -> ReplayResult | None:
         """See :meth:`diffckpt.CheckpointEngine.resume`."""
         here: dict[str, Located] = {}  # rank 0's location, whose listing its restore reuses
-        found = self.coord.decided(lambda: self._locate(recorder, step, missing_ok, here), "restore")
+        found = self.coord.decided(lambda: self._locate(recorder, step, missing_ok, here), "restore",
+                                   then="no process was restored")
         loc = here.get("loc")
         if found[0] == "none":
             return None
@@ -64,7 +65,7 @@ class Resumption:
             mine["result"] = self._restore_here(recorder, module, optimizers, step, compressor, missing_ok, loc)
             return mine["result"]
 
-        settled = self.coord.decided(restore_here, "restore",
+        settled = self.coord.decided(restore_here, "restore", then="no process was restored there",
                                      send=lambda r: ("step", None if r is None else r.step))
         if self.coord.is_main_process:
             return settled
@@ -104,7 +105,7 @@ class Resumption:
             f"{sessions}. This training starts a new session at step {step} without resuming it; "
             "\"last\" will follow the new session, and a job still writing there stops (fenced). "
             f"To continue the run instead, {hint or 'resume from it'}; to keep both, give this job "
-            "its own dirpath", UserWarning, stacklevel=3)
+            "its own dirpath", UserWarning, stacklevel=2)
 
     @staticmethod
     def _locate(recorder: Recorder, step: int | None, missing_ok: bool, here: dict[str, Located]) -> tuple[Any, ...]:
@@ -130,7 +131,9 @@ class Resumption:
         """Same layout: each rank replays its own stream, in parallel, with no exchange but one
         small outcome per rank; ranks that reach different steps (a stream damaged after the
         step every listing showed) all go back to the lowest."""
-        run = loc.run if loc is not None else locate(recorder.storage, res.step).run
+        # Rank 0 reuses its listing; the others list only their own stream, inside replay_rank,
+        # where a failure reaches every rank through the outcome exchange.
+        run = loc.run if loc is not None else ShardedRun(recorder.storage)
         target, mine = res.step, None
         allow, rank = modules_of(optimizers), self.coord.rank
         while True:
@@ -160,7 +163,7 @@ class Resumption:
             first["full"] = load_located(where, allow_modules=allow)
             return first["full"]["step"]
 
-        settled = self.coord.decided(settle, "restore")
+        settled = self.coord.decided(settle, "restore", then="no process was restored")
         full, outcome = self.coord.everyone(
             lambda: first.get("full") or load_located(locate(recorder.storage, settled), allow_modules=allow))
         self.coord.outcome(recorder.storage.url, settled, outcome)

@@ -96,7 +96,7 @@ class DiffCheckpointCallback(TrainerCallback):
         self.log_cache: list[str] = []  # log_history entries encoded as JSON (see trainer_state_json)
         self._resume: dict[str, Any] | None = None  # this rank's restored RNG, until its event
         self._step = 0  # the newest optimizer step taken (TrainerState.global_step)
-        self.driver = StepDriver(self.engine, self.options)
+        self.driver = StepDriver(self.engine, self.options, on_close=lambda: atexit.unregister(self._interrupted))
         self._begin_at_step = False
 
     # ------------------------------------------------------------------ resuming
@@ -270,6 +270,9 @@ class DiffCheckpointCallback(TrainerCallback):
 
     def _point(self, at: str, control: Any) -> None:
         """A loop event after which the last step is final: start recording, or commit it."""
+        if self.driver.closed:
+            return
+
         def begin() -> bool:
             if self._begin_at_step and at == "epoch":
                 return False
@@ -283,14 +286,14 @@ class DiffCheckpointCallback(TrainerCallback):
             return True
 
         self.driver.boundary(self._step, begin, lambda: StepState(self, at))
+        self.engine.check()
 
     def close(self, reason: str = "end of training", timeout: float | None = None, at: str = "step",
               record: bool = True) -> int | None:
         """Record the last step as restorable, flush and stop writing; return the durable step.
         ``on_train_end`` calls it; every process must. ``record=False`` flushes only what is
         recorded (the model no longer holds the last step's weights)."""
-        return self.driver.close(self._step, lambda: StepState(self, at), reason, timeout, record,
-                                 on_close=lambda: atexit.unregister(self._interrupted))
+        return self.driver.close(self._step, lambda: StepState(self, at), reason, timeout, record)
 
     def _interrupted(self) -> None:
         """At interpreter exit without on_train_end (an exception in training): flush what is recorded."""

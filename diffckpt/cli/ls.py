@@ -108,7 +108,7 @@ def describe(store: RunStore, inv: Inventory) -> dict[str, Any]:
     diff_bytes = sum(s["bytes"] for s in segments)
     diff_steps = sum(s["steps"] for s in segments)
     total = sum(sizes.values())
-    # What ckpt_path=<root> resumes: the newest session with a base, as RunStore.plan decides.
+    # What ckpt_path=<root> resumes: the newest session with a base, as planning.plan decides.
     newest_run = next(({"gen": g, "step": n, "ckpt_path": url} for g in inv.gens()
                        if (n := inv.newest_step(g)) is not None), None)
     avg = round(diff_bytes / diff_steps) if diff_steps else None

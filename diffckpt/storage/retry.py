@@ -27,7 +27,6 @@ __all__ = ["RetryPolicy", "RetryingInspectableStorage", "RetryingStorage", "is_t
 
 log = logging.getLogger("diffckpt")
 T = TypeVar("T")
-# A generator of our own: the global ``random`` state belongs to training, which checkpoints it.
 
 _TRANSIENT_ERRNOS = {errno.EBUSY, errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.ETIMEDOUT,
                      errno.EPIPE, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN, errno.EAGAIN,

@@ -337,7 +337,7 @@ def test_console_script_and_module(run: Run) -> None:
 def test_ls_and_export_after_resume(run: Run, tmp_path: Path, capsys: Cap) -> None:
     root, _ = run
     # A second session resumes from step 8 and records 3 steps: g1 keeps its steps up to 13, but
-    # ckpt_path=<root> resumes the newest session, as RunStore.plan decides.
+    # ckpt_path=<root> resumes the newest session, as planning.plan decides.
     torch.manual_seed(1)
     m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16),
                             torch.nn.Linear(16, 1))
