@@ -15,6 +15,8 @@ from typing import Any
 
 from .collective import Collective, default_collective
 from .errors import DiffCkptError
+from .tuning.model import tuning_metrics
+from .tuning.online import OnlineTuning
 
 __all__ = ["Coordination"]
 
@@ -101,6 +103,35 @@ class Coordination:
             return value, [mine]
         gathered = coll.gather(mine)  # every rank takes part; rank 0 gets the list
         return value, coll.broadcast(gathered)
+
+    def rank_states(self, source: Any, sharded: bool) -> list[Any] | None:
+        """Every rank's ``FrameworkState.rank_state()``, where the state is recorded: gathered on
+        rank 0 of data-parallel training; under sharded training each rank records its own, in
+        its place of a per-rank list, with no exchange."""
+        if not sharded:
+            return self.collective.gather(source.rank_state())
+        ranks: list[Any] = [None] * self.world_size
+        ranks[self.rank] = source.rank_state()
+        return ranks
+
+    def codec_states(self, compressor: Any) -> list[Any] | None:
+        """Every rank's codec state (error-feedback residuals differ per rank), on rank 0."""
+        return None if compressor is None else self.collective.gather(compressor.state_dict())
+
+    def review(self, tuning: OnlineTuning, step: int, sharded: bool) -> dict[str, float]:
+        """Rank 0's tuner reviews the settings (under sharded training from every rank's
+        measurements, as the slowest writer); every rank adopts what it chose. Returns the
+        decision's metrics to log (empty without one)."""
+        several = self.world_size > 1
+        measured = self.collective.gather(tuning.measure(step)) if sharded and several else None
+        decision = tuning.review(step, measured) if self.is_main_process else None
+        if several:
+            settings, next_review = self.collective.broadcast((tuning.settings, tuning.next_review))
+            if not self.is_main_process:
+                tuning.adopt(settings, next_review)
+        if decision is None or tuning.last_review is None:
+            return {}
+        return tuning_metrics(*tuning.last_review)
 
     @staticmethod
     def outcome(url: str, step: int, outcome: list[tuple[str, Any]]) -> list[int]:

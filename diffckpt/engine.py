@@ -12,18 +12,14 @@ An adapter (Lightning, Accelerate, a plain loop under ``torch.distributed``) cal
 - :meth:`~CheckpointEngine.end` when training stops.
 
 The engine decides which processes write (rank 0 under DDP, every rank its own stream under
-sharded training) and does every exchange between ranks itself through its
-:class:`~diffckpt.collective.Collective` (:mod:`diffckpt.coordination`): gathering each rank's RNG
-and data position at restorable steps and its codec state at bases (DDP), sending rank 0's tuning
-decisions, and agreeing on the step to restore (:mod:`diffckpt.resumption`). What is
-framework-specific reaches it through a :class:`FrameworkState`, which it asks only when a step
-is restorable.
-
-The engine is built by composition: it holds :attr:`~CheckpointEngine.recorder` (the writing
-session, :class:`~diffckpt.recorder.Recorder`), a :class:`~diffckpt.coordination.Coordination`
-(the processes) and a :class:`~diffckpt.resumption.Resumption`. The single-writer calls of the
-recorder (``start``, ``record_step``, ``write_base``, ``flush``, ``close``, ``restore``) stay
-available on the engine for a single-process loop.
+sharded training); every exchange between ranks goes through its
+:class:`~diffckpt.coordination.Coordination` (RNG, data positions and codec states gathered,
+tuning decisions and the step to restore sent). What is framework-specific reaches it through a
+:class:`FrameworkState`, asked only when a step is restorable. It holds
+:attr:`~CheckpointEngine.recorder` (the writing session), a ``Coordination`` and a
+:class:`~diffckpt.resumption.Resumption`; the recorder's single-writer calls (``start``,
+``record_step``, ``write_base``, ``flush``, ``close``, ``restore``) stay on the engine for a
+single-process loop.
 """
 
 from __future__ import annotations
@@ -38,7 +34,7 @@ import torch
 from .codecs.compressor import GradientCompressor
 from .collective import Collective
 from .coordination import Coordination
-from .errors import DiffCkptError, UnsupportedConfigurationError
+from .errors import DiffCkptError
 from .metrics import CheckpointMetrics
 from .options import CheckpointOptions
 from .recorder import Recorder, session_body
@@ -46,9 +42,9 @@ from .replay import ReplayResult
 from .resumption import Resumption
 from .session import Clock, Committed, FrameworkSaves, FrameworkState
 from .shardedrun import ShardedRun
-from .sharding import check_elementwise, is_sharded, refuse_flat_parameters, shard_table
+from .sharding import check_sharded, is_sharded, refuse_flat_parameters
 from .storage import Storage
-from .tuning.model import Settings, tuning_metrics
+from .tuning.model import Settings
 
 __all__ = ["CheckpointEngine", "Committed", "FrameworkState"]
 
@@ -260,9 +256,9 @@ class CheckpointEngine:
         self._restored = None
         refuse_flat_parameters(module)
         sharded = self._sharded = is_sharded(module)
-        table = self._check_sharded(module, optimizers, compressor) if sharded else None
-        ranks = None if restored is not None else self._rank_states(source)
-        codec_states = self._gather_codec_states(compressor)
+        table = check_sharded(module, optimizers, compressor) if sharded else None
+        ranks = None if restored is not None else self._coord.rank_states(source, self._sharded)
+        codec_states = self._coord.codec_states(compressor)
         self._compressor = compressor
         self._clock, self._open = Clock(step, step, step), True
         if restored is None and self.is_main_process:
@@ -294,12 +290,12 @@ class CheckpointEngine:
         if step <= clock.recorded:
             raise DiffCkptError(f"step {step} committed after step {clock.recorded}; steps must increase")
         rec = self.recorder
-        tuning = self._review_everywhere(step) if rec.review_due(step) else {}
+        tuning = self._coord.review(rec.tuning, step, self._sharded) if rec.review_due(step) else {}
         base = force_base or rec.wants_base(step)
         restorable = force_state or base or rec.wants_state(step)
         with rec.measuring_state():
-            ranks = self._rank_states(source) if restorable else None
-            codec_states = self._gather_codec_states(self._compressor) if base else None
+            ranks = self._coord.rank_states(source, self._sharded) if restorable else None
+            codec_states = self._coord.codec_states(self._compressor) if base else None
             state = source.state(ranks or []) if restorable and self._writes() else None
         clock.at(step, restorable, base)
         if not self._writes():
@@ -324,8 +320,8 @@ class CheckpointEngine:
         if clock.restorable == step and (not base or clock.base == step):
             return
         with self.recorder.measuring_state():
-            ranks = self._rank_states(source)
-            codec_states = self._gather_codec_states(self._compressor)
+            ranks = self._coord.rank_states(source, self._sharded)
+            codec_states = self._coord.codec_states(self._compressor)
         clock.at(step, True, True)
         if not self._writes():
             self.recorder.follow(step, True)
@@ -385,26 +381,6 @@ class CheckpointEngine:
         what it recorded), every rank of sharded training (each holds other pieces)."""
         return self._sharded or self.is_main_process
 
-    def _rank_states(self, source: FrameworkState) -> list[Any] | None:
-        """Every rank's :meth:`FrameworkState.rank_state`, where the state is recorded: gathered
-        on rank 0 of data-parallel training; under sharded training each rank records its own,
-        in its place of a per-rank list, with no exchange."""
-        if not self._sharded:
-            return self.collective.gather(source.rank_state())
-        ranks: list[Any] = [None] * self.world_size
-        ranks[self.rank] = source.rank_state()
-        return ranks
-
-    def _check_sharded(self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
-                       compressor: GradientCompressor | None) -> dict[str, Any]:
-        if compressor is not None:
-            raise UnsupportedConfigurationError(
-                "compressed training (codec=) is not supported with sharded parameters: a codec decoded per "
-                "shard cannot see the global gradient, and FSDP2 has no communication hook for it. Train "
-                "without a codec (diffckpt then records each rank's exact gradient pieces)")
-        check_elementwise(optimizers)
-        return shard_table(module)
-
     def _claim_sharded_session(self, meta: dict[str, Any], step: int) -> int:
         """Rank 0 opens the session on the run root, naming the world size; every rank gets its
         generation (or rank 0's error)."""
@@ -418,25 +394,7 @@ class CheckpointEngine:
             raise DiffCkptError("begin() must be called before commit() or make_restorable()")
         return self._clock
 
-    def _gather_codec_states(self, compressor: GradientCompressor | None) -> list[Any] | None:
-        """Every rank's codec state (error-feedback residuals differ per rank), on rank 0."""
-        return None if compressor is None else self.collective.gather(compressor.state_dict())
-
     def _base_now(self, step: int, state: Any, codec_states: list[Any] | None) -> None:
         _, capture, module = self.recorder._require()
         self.recorder.write_base(step, module.state_dict(), [o.state_dict() for o in capture.optimizers], state,
-                        codec_states)
-
-    def _review_everywhere(self, step: int) -> dict[str, float]:
-        """Rank 0's tuner reviews the settings (under sharded training from every rank's
-        measurements, as the slowest writer); every rank adopts what it chose."""
-        tuning = self.recorder.tuning
-        measured = self.collective.gather(tuning.measure(step)) if self._sharded and self.world_size > 1 else None
-        decision = tuning.review(step, measured) if self.is_main_process else None
-        if self.world_size > 1:
-            settings, next_review = self.collective.broadcast((tuning.settings, tuning.next_review))
-            if not self.is_main_process:
-                tuning.adopt(settings, next_review)
-        if decision is None or tuning.last_review is None:
-            return {}
-        return tuning_metrics(*tuning.last_review)
+                                 codec_states)

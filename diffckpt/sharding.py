@@ -22,6 +22,7 @@ __all__ = [
     "ELEMENTWISE",
     "assemble",
     "check_elementwise",
+    "check_sharded",
     "is_sharded",
     "local",
     "local_tree",
@@ -195,3 +196,15 @@ def assemble(pieces: list[tuple[torch.Tensor, list[int]]], shape: list[int]) -> 
     for t, offset in pieces:
         out[tuple(slice(o, o + s) for o, s in zip(offset, t.shape))] = t
     return out
+
+
+def check_sharded(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer], compressor: Any) -> dict[str, Any]:
+    """The shard table of a sharded ``module``, after refusing what sharded recording cannot
+    replay exactly: a codec, an optimizer whose state is not elementwise."""
+    if compressor is not None:
+        raise UnsupportedConfigurationError(
+            "compressed training (codec=) is not supported with sharded parameters: a codec decoded per "
+            "shard cannot see the global gradient, and FSDP2 has no communication hook for it. Train "
+            "without a codec (diffckpt then records each rank's exact gradient pieces)")
+    check_elementwise(optimizers)
+    return shard_table(module)

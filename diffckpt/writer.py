@@ -29,6 +29,7 @@ from .errors import ConcurrentWriterError, DiffCkptError, StorageUnavailableErro
 from .format import BaseName, SegmentName, base_commit, encode_segment_parts
 from .leases import Lease
 from .options import CheckpointOptions
+from .outage import Outage
 from .runstore import RunStore
 from .sharding import narrowed
 from .staging import HostStage
@@ -91,9 +92,7 @@ class BackgroundWriter:
         fence = storage if fence is None else fence
         self._fence = fence.with_cancel(self._abandon) if isinstance(fence, RetryingStorage) else fence
         self.narrow_grads = narrow_grads  # store bfloat16-valued float32 gradients in 16 bits
-        self._outage_since: float | None = None
-        self._outage_error = ""
-        self._outage_logged = 0.0
+        self.outage = Outage(store.storage.url, options, self.stats)
         self._last_buffers: dict[str, torch.Tensor] | None = None
         self._queue: collections.deque[tuple[str, Any, int]] = collections.deque()
         self._queued_bytes = 0
@@ -150,7 +149,7 @@ class BackgroundWriter:
         deadline = None if timeout is None else time.monotonic() + timeout
         while not done.wait(0.1):
             self._raise_if_failed()
-            self._raise_if_outage("a flush cannot complete")
+            self.outage.raise_if("a flush cannot complete", self.durable_step)
             if not self._thread.is_alive():
                 break
             if deadline is not None and time.monotonic() > deadline:
@@ -202,16 +201,6 @@ class BackgroundWriter:
         if self._error is not None:
             raise DiffCkptError(f"diffckpt background writer failed: {self._error}") from self._error
 
-    def _raise_if_outage(self, situation: str) -> None:
-        since = self._outage_since
-        if since is None or self.options.on_storage_error != "raise":
-            return
-        raise StorageUnavailableError(
-            f"storage at {self.store.storage.url} has been failing for {time.monotonic() - since:.0f}s "
-            f"({self._outage_error}) and {situation}: durable up to step {self.durable_step}, steps after "
-            "it are in memory only. Raised because on_storage_error='raise'; use 'block' to make training "
-            "wait for storage instead, or raise max_pending_bytes to ride out longer outages")
-
     def _put(self, kind: str, item: Any, nbytes: int) -> None:
         self._raise_if_failed()
         if self._closed:
@@ -225,14 +214,12 @@ class BackgroundWriter:
             while self._queue and self._queued_bytes + nbytes > self.options.max_pending_bytes:
                 if self._error is not None:
                     break
-                self._raise_if_outage(f"the checkpoint buffer is full ({format_bytes(self._queued_bytes)}, "
-                                      f"max_pending_bytes {format_bytes(self.options.max_pending_bytes)})")
+                self.outage.raise_if(f"the checkpoint buffer is full ({format_bytes(self._queued_bytes)}, "
+                                     f"max_pending_bytes {format_bytes(self.options.max_pending_bytes)})",
+                                     self.durable_step)
                 if start is None:
                     start = time.monotonic()
-                    since = self._outage_since
-                    cause = (f"storage has been failing for {start - since:.0f}s ({self._outage_error}); "
-                             f"durable up to step {self.durable_step}" if since is not None
-                             else "storage is slower than training")
+                    cause = self.outage.cause(start, self.durable_step) or "storage is slower than training"
                     log.warning(
                         "diffckpt: writer is behind (%s queued, limit %s): %s; training waits "
                         "for storage and nothing is dropped. Raise max_pending_bytes, write_batch or "
@@ -388,18 +375,13 @@ class BackgroundWriter:
                 if self._abandon.is_set():
                     raise
                 failed = True
-                self._note_outage(path, exc)
+                self.outage.note(path, exc, self.durable_step, self._queued_bytes)
                 if self._abandon.wait(self.options.retry.max_backoff_s):
                     raise
         if self.meter is not None and not failed:  # what a request costs here, fence check included
             self.meter.add_write(len(data) if isinstance(data, bytes) else sum(len(p) for p in data),
                                  time.monotonic() - start)
-        if self._outage_since is not None:
-            lasted = time.monotonic() - self._outage_since
-            self.stats.outage_seconds += lasted
-            log.warning("diffckpt: storage at %s is back after %.1fs; %s of buffered steps drain now",
-                        self.store.storage.url, lasted, format_bytes(self._queued_bytes))
-            self._outage_since = None
+        self.outage.over(self._queued_bytes)
 
     def _check_fence(self) -> None:
         newer = self.store.newer_session(self.gen, self._fence)
@@ -410,20 +392,3 @@ class BackgroundWriter:
                 f"{newer.get('resumed_from', '?')}); this job (session g{self.gen}) stopped writing so the two do "
                 f"not interleave. Its steps up to {self.durable_step} stay restorable. Stop this job, or give "
                 "each job its own dirpath")
-
-    def _note_outage(self, path: str, exc: StorageUnavailableError) -> None:
-        self._outage_error = str(exc.__cause__ or exc)
-        now = time.monotonic()
-        if self._outage_since is None:
-            self._outage_since = now
-            self._outage_logged = now
-            self.stats.outages += 1
-            log.warning("diffckpt: storage outage while committing %s: %s. Durable up to step %s; training goes "
-                        "on while buffered steps fit in max_pending_bytes (%s), then %s. Retrying until "
-                        "storage is back.", path, exc, self.durable_step, format_bytes(self.options.max_pending_bytes),
-                        "waits" if self.options.on_storage_error == "block" else "raises")
-        elif now - self._outage_logged >= 60:
-            self._outage_logged = now
-            log.warning("diffckpt: storage still failing after %.0fs (%s); durable up to step %s, %s buffered",
-                        now - self._outage_since, self._outage_error, self.durable_step,
-                        format_bytes(self._queued_bytes))
