@@ -44,6 +44,12 @@ bench: $(VENV)/.installed-bench
 	$(BIN)/python bench/lifecycle.py --threads 1  # retention and background compaction vs training bases
 	$(BIN)/python bench/sharded.py  # FSDP2 on 2 ranks: diffckpt vs torch.distributed.checkpoint
 
+# GPT-2 124M shapes on the CPU, one training thread, 3 interleaved rounds (docs/benchmarks.md,
+# "At real model sizes"): long (tens of minutes) and several GB on the temp dir's disk.
+.PHONY: bench-scale
+bench-scale: $(VENV)/.installed-bench
+	$(BIN)/python bench/scale.py --size 124m --rounds 3 --plot docs/scale-rss-124m.png
+
 # The GPU check (docs/gpu.md). On the GPU machine, with its own python3 and no network:
 #   make gpu-check            (the wheels of `make gpu-wheels` in .gpu-wheels/ travel along)
 # Here, or in make test: `make gpu-check DRY=1` runs every part on the CPU with tiny sizes.

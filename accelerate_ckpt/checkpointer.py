@@ -27,6 +27,7 @@ from diffckpt.integration import (
     NOT_GIVEN_EVERY_N_STEPS,
     NOT_GIVEN_WRITE_BATCH,
     Auto,
+    ByBytes,
     CheckpointOptions,
     Codec,
     LoopCheckpointer,
@@ -59,7 +60,10 @@ class DiffCheckpointer(LoopCheckpointer):
             prepared, or with ``codec=`` under DDP.
         every_n_steps: a restorable point every this many optimizer steps.
         write_batch: consecutive step records per segment (one write each).
-        base_every_n_steps: a full base every this many steps, plus one when a session starts.
+        base_every_n_steps: ``"bytes"`` (the default): a full base once the step records since the
+            last one add up to ``options.base_every_diff_bytes_ratio`` (4) times a base's size; an
+            integer: a full base every this many steps; ``None``: none but the one when a session starts
+            (there is one when a session starts in every case).
             Each of the three may be ``"auto"``: the auto-tuner measures the run and picks it
             for ``options.tuning`` (:class:`diffckpt.TuningOptions`); its decisions go to
             ``accelerator.log`` as ``diffckpt/*`` when trackers are set up.
@@ -80,7 +84,7 @@ class DiffCheckpointer(LoopCheckpointer):
 
     def __init__(self, accelerator: Accelerator, dirpath: str | os.PathLike[str], *, model: Any = None,
                  every_n_steps: int | Auto | NotGiven = NOT_GIVEN_EVERY_N_STEPS, write_batch: int | Auto | NotGiven = NOT_GIVEN_WRITE_BATCH,
-                 base_every_n_steps: int | Auto | NotGiven | None = NOT_GIVEN_BASE_EVERY_N_STEPS,
+                 base_every_n_steps: int | Auto | ByBytes | NotGiven | None = NOT_GIVEN_BASE_EVERY_N_STEPS,
                  options: CheckpointOptions | None = None, storage_options: dict[str, Any] | None = None,
                  codec: Codec | None = None, log_every_n_steps: int = 50, **legacy: Any) -> None:
         url = os.fspath(dirpath)

@@ -68,6 +68,7 @@ class SaveStateHooks:
             return
         weights.pop(index)  # the base just made durable holds them
         self.referenced = owner.step
+        owner.engine.keep(owner.step, f"save_state({output_dir})")  # retention must not delete it
         with open(os.path.join(output_dir, NOTE), "w") as f:
             f.write(f"The model weights of this checkpoint are step {owner.step} of the diffckpt run "
                     f"{owner.url}.\nLoad it with accelerator.load_state() after creating a "

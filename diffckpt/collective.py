@@ -1,10 +1,10 @@
 """The other training processes, and the few small exchanges checkpointing needs with them.
 
 Checkpointing coordinates processes only at a handful of points: a restorable step gathers every
-rank's RNG and data position, a base gathers every rank's codec state, a tuner review sends rank
-0's decision to everyone, a restore sends the step rank 0 resolved, and a stop request must reach
-every rank at the same step. Each is one small collective over Python objects, never a tensor of
-the model. :class:`Collective` is that interface; the engine picks :class:`TorchCollective` when a
+rank's RNG and data position, a base gathers every rank's codec state, a review sends rank 0's
+tuner decision and byte-sized base interval to everyone, a restore sends the step rank 0
+resolved, and a stop request must reach every rank at the same step. Each is one small
+collective over Python objects, never a tensor of the model. :class:`Collective` is that interface; the engine picks :class:`TorchCollective` when a
 ``torch.distributed`` process group spans several processes, else :class:`LocalCollective`.
 """
 

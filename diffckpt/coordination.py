@@ -120,8 +120,9 @@ class Coordination:
 
     def review(self, tuning: OnlineTuning, step: int, sharded: bool) -> dict[str, float]:
         """Rank 0's tuner reviews the settings (under sharded training from every rank's
-        measurements, as the slowest writer); every rank adopts what it chose. Returns the
-        decision's metrics to log (empty without one)."""
+        measurements, as the slowest writer) and sizes a byte-sized base interval from what it
+        recorded; every rank adopts what it chose, so bases fall on the same steps everywhere.
+        Returns the tuner decision's metrics to log (empty without one)."""
         several = self.world_size > 1
         measured = self.collective.gather(tuning.measure(step)) if sharded and several else None
         decision = tuning.review(step, measured) if self.is_main_process else None

@@ -369,6 +369,12 @@ class CheckpointEngine:
             self._saves.add(step, fn, name, wait=wait, recorded=self.recorded_step,
                             restorable=self.restorable_step)
 
+    def keep(self, step: int, why: str) -> None:
+        """Keep ``step`` restorable whatever ``options.retention`` deletes, while this process runs
+        the session (a framework save that names the step outside :meth:`when_restorable`, which
+        keeps its steps already; ``why`` shows in the retention plan)."""
+        self.recorder.keep(step, why)
+
     def after_queued(self, fn: Callable[[], Any]) -> None:
         """Run ``fn()`` on the main process once everything recorded before is written (on the
         writer thread, in order), or at once when no session is open; other ranks skip it."""

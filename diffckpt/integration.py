@@ -12,7 +12,7 @@ adapters are written with, and a new adapter should be.
 - refusals and checks: :func:`check_replayable`, :func:`is_sharded`, :func:`require_extra`,
   :func:`check_codec`;
 - options merging (an explicit keyword wins over ``options=``): :func:`merge_options`,
-  :class:`NotGiven`, ``NOT_GIVEN_*``, ``Auto``;
+  :class:`NotGiven`, ``NOT_GIVEN_*``, ``Auto``, ``ByBytes``;
 - storage and results: :func:`open_storage`, :class:`FsspecStorage`, :data:`RUN_FILE`,
   :class:`ReplayResult`, :class:`GradientCompressor`, :class:`Codec`, :data:`HF_TRAINER_KEY`.
 
@@ -36,6 +36,7 @@ from .options import (
     NOT_GIVEN_EVERY_N_STEPS,
     NOT_GIVEN_WRITE_BATCH,
     Auto,
+    ByBytes,
     CheckpointOptions,
     NotGiven,
     merge_options,
@@ -50,7 +51,7 @@ from .storage import FsspecStorage, open_storage
 
 __all__ = [
     "END", "HF_TRAINER_KEY", "NOT_GIVEN_BASE_EVERY_N_STEPS", "NOT_GIVEN_EVERY_N_STEPS", "NOT_GIVEN_WRITE_BATCH",
-    "RUN_FILE", "Auto", "CheckpointEngine", "CheckpointOptions", "Codec", "Committed", "FrameworkState",
+    "RUN_FILE", "Auto", "ByBytes", "CheckpointEngine", "CheckpointOptions", "Codec", "Committed", "FrameworkState",
     "FsspecStorage", "GradientCompressor", "LoopCheckpointer", "NotGiven", "ReplayResult", "StepDriver",
     "StopSignal", "TrackedLoader", "check_codec", "check_log_every", "check_replayable", "epoch_start_state",
     "get_rng_state", "is_sharded", "merge_options", "open_storage", "require_extra", "set_epoch_start_state",

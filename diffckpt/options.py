@@ -3,25 +3,41 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .policyoptions import AUTO, RetentionPolicy, RetryPolicy, TuningOptions
+from .policyoptions import AUTO, BY_BYTES, RetentionPolicy, RetryPolicy, TuningOptions
 
-__all__ = ["DEFAULT_BASE_EVERY_N_STEPS", "DEFAULT_EVERY_N_STEPS", "DEFAULT_FINGERPRINT_EVERY_N_STEPS",
+__all__ = ["BY_BYTES", "DEFAULT_BASE_EVERY_DIFF_BYTES_RATIO", "DEFAULT_BASE_EVERY_N_STEPS",
+           "DEFAULT_EVERY_N_STEPS", "DEFAULT_FINGERPRINT_EVERY_N_STEPS", "DEFAULT_RETENTION",
            "DEFAULT_WRITE_BATCH", "NOT_GIVEN_BASE_EVERY_N_STEPS", "NOT_GIVEN_EVERY_N_STEPS",
-           "NOT_GIVEN_WRITE_BATCH", "Auto", "CheckpointOptions", "NotGiven", "merge_options"]
+           "NOT_GIVEN_WRITE_BATCH", "Auto", "BaseEvery", "ByBytes", "CheckpointOptions", "NotGiven",
+           "merge_options"]
 
 Auto = Literal["auto"]
 """A knob left to the auto-tuner."""
+
+ByBytes = Literal["bytes"]
+"""``base_every_n_steps`` sized from the bytes recorded since the last base."""
+
+BaseEvery = int | Auto | ByBytes | None
+"""What ``base_every_n_steps`` takes."""
 
 # The one place these defaults are written: the options below, the adapters' keywords and the
 # tuner's starting point all read them from here.
 DEFAULT_EVERY_N_STEPS = 1
 DEFAULT_WRITE_BATCH = 8
-DEFAULT_BASE_EVERY_N_STEPS = 500
+# A fixed step count cannot suit every model: 500 steps of dense GPT-2-small gradients are about
+# 170 full checkpoints to replay. Sized by bytes, a restore reads at most about this many bases'
+# worth of diffs, and the extra bases cost 1/ratio of the diff bytes written.
+DEFAULT_BASE_EVERY_N_STEPS: ByBytes = BY_BYTES
+DEFAULT_BASE_EVERY_DIFF_BYTES_RATIO = 4.0
 DEFAULT_FINGERPRINT_EVERY_N_STEPS = 50
+# The newest base's chain and the one before it: storage stays bounded, and a restore that finds
+# the newest chain damaged still has the previous one to fall back on.
+DEFAULT_RETENTION = RetentionPolicy(keep_last_bases=2)
 
 
 @dataclass(frozen=True)
@@ -29,7 +45,7 @@ class NotGiven:
     """The value of an adapter's keyword its caller left out: ``options=`` decides, else the
     default. It shows as the default in signatures and ``help()``."""
 
-    default: int
+    default: int | str
 
     def __repr__(self) -> str:
         return repr(self.default)
@@ -49,12 +65,20 @@ class CheckpointOptions:
         every_n_steps: a restorable point every this many optimizer steps. Gradients are recorded
             at every step regardless, since replay needs all of them.
         write_batch: consecutive step records written to storage as one segment.
-        base_every_n_steps: a full base every this many steps (and once when training starts);
-            ``None`` writes only the starting base.
+        base_every_n_steps: ``"bytes"`` (the default): a full base once the step records written
+            since the last base add up to ``base_every_diff_bytes_ratio`` times a base's size, so
+            that a restore never reads much more than that many full checkpoints of diffs
+            whatever the model and codec. An integer: a full base every this many steps. ``None``:
+            only the starting base (with ``compact_every_n_steps``, bases come from compaction).
+            Every session also writes a base when it starts.
 
             Each of these three may be ``"auto"``: the auto-tuner measures the run online and
             picks the value that minimises the expected time lost for ``tuning`` (MTBF, overhead
             budget, recovery-time objective); see ``docs/tuning.md``.
+        base_every_diff_bytes_ratio: with ``base_every_n_steps="bytes"``, the diff bytes between
+            two bases, as a multiple of a base's size (the bytes handed to the writer, before
+            compression). The interval is sized in steps right after each base, from the bytes
+            per step recorded so far in the session; every rank of a job takes rank 0's interval.
         tuning: what the auto-tuner is told (only used when a knob is ``"auto"``).
         fingerprint_every_n_steps: record a hash of the parameters every this many steps (and at
             every base); replay checks it. ``None`` fingerprints bases only.
@@ -71,13 +95,19 @@ class CheckpointOptions:
             :class:`~diffckpt.StorageUnavailableError` on the training thread. Until the buffer is
             full, training goes on either way; nothing is ever dropped.
         retention: which steps to keep restorable (:class:`~diffckpt.RetentionPolicy`); the rest
-            is deleted in the background once a newer base is durable. ``None`` deletes nothing.
+            is deleted in the background once a newer base is durable. The default keeps the two
+            newest bases and every step from the older of them on
+            (``RetentionPolicy(keep_last_bases=2)``); the newest durable step, and on a sharded
+            run the newest step durable on every rank, always stay. ``None`` deletes nothing
+            (every step stays restorable, and storage grows with training).
         compact_every_n_steps: roll a base forward in a background thread (replaying the stored
             diffs, see :func:`diffckpt.compact`) once the durable step is this many steps past the
             newest base. With ``base_every_n_steps=None`` training never stalls for a full
             checkpoint. ``None``: no background compaction.
-        compact_device: where background compaction replays (the device type training runs on
-            gives a bit-exact base).
+        compact_device: where background compaction replays. ``None`` (the default): the device
+            the model's parameters are on when the session starts, since replay on the device type
+            training runs on gives a bit-exact base (on another one the fingerprints recorded in
+            training fail to match and nothing is compacted).
         copy_gradients: copy every gradient at each step. By default a step's gradients are
             taken without a copy once training lets them go (``zero_grad(set_to_none=True)``), and
             copied when training keeps them (``set_to_none=False``, accumulation across steps);
@@ -93,7 +123,8 @@ class CheckpointOptions:
 
     every_n_steps: int | Auto = DEFAULT_EVERY_N_STEPS
     write_batch: int | Auto = DEFAULT_WRITE_BATCH
-    base_every_n_steps: int | Auto | None = DEFAULT_BASE_EVERY_N_STEPS
+    base_every_n_steps: BaseEvery = DEFAULT_BASE_EVERY_N_STEPS
+    base_every_diff_bytes_ratio: float = DEFAULT_BASE_EVERY_DIFF_BYTES_RATIO
     fingerprint_every_n_steps: int | None = DEFAULT_FINGERPRINT_EVERY_N_STEPS
     max_pending_bytes: int = 256 << 20
     compression: Literal["auto", "zstd", "none"] = "auto"
@@ -103,9 +134,9 @@ class CheckpointOptions:
     flush_timeout_s: float = 30.0
     copy_gradients: bool = False
     tuning: TuningOptions = field(default_factory=TuningOptions)
-    retention: RetentionPolicy | None = None
+    retention: RetentionPolicy | None = DEFAULT_RETENTION
     compact_every_n_steps: int | None = None
-    compact_device: str = "cpu"
+    compact_device: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("every_n_steps", "write_batch", "max_pending_bytes", "compression_level"):
@@ -117,14 +148,19 @@ class CheckpointOptions:
                 raise ValueError(f"{name} must be a positive integer{also}, got {value!r}")
         for name in ("base_every_n_steps", "fingerprint_every_n_steps"):
             value = getattr(self, name)
-            if value == AUTO and name in self.TUNABLE:
+            if value in (AUTO, BY_BYTES) and name in self.TUNABLE:
                 continue
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                also = ", None or 'auto'" if name in self.TUNABLE else " or None"
+                also = f", None, '{AUTO}' or '{BY_BYTES}'" if name in self.TUNABLE else " or None"
                 raise ValueError(f"{name} must be a positive integer{also}, got {value!r}")
+        ratio = self.base_every_diff_bytes_ratio
+        if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0 < ratio < math.inf:
+            raise ValueError(f"base_every_diff_bytes_ratio must be a positive number, got {ratio!r}")
         n = self.compact_every_n_steps
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
             raise ValueError(f"compact_every_n_steps must be a positive integer or None, got {n!r}")
+        if self.compact_device is not None and (not isinstance(self.compact_device, str) or not self.compact_device):
+            raise ValueError(f"compact_device must be a device name or None, got {self.compact_device!r}")
         if self.retention is not None and not isinstance(self.retention, RetentionPolicy):
             raise ValueError(f"retention must be a diffckpt.RetentionPolicy or None, got {self.retention!r}")
         if not isinstance(self.tuning, TuningOptions):
@@ -154,7 +190,7 @@ class CheckpointOptions:
 
 def merge_options(options: CheckpointOptions | None, legacy: dict[str, Any], *,
                   every_n_steps: int | Auto | NotGiven, write_batch: int | Auto | NotGiven,
-                  base_every_n_steps: int | Auto | NotGiven | None) -> CheckpointOptions:
+                  base_every_n_steps: BaseEvery | NotGiven) -> CheckpointOptions:
     """The options of an adapter built with the three knobs as keywords and ``options``.
 
     A knob given as a keyword wins, whatever its value (the default's too); one left out

@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import random
 from dataclasses import InitVar, dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
-__all__ = ["AUTO", "RetentionPolicy", "RetryPolicy", "TuningOptions"]
+__all__ = ["AUTO", "BY_BYTES", "RetentionPolicy", "RetryPolicy", "TuningOptions"]
 
 # Retry waits draw from a generator of our own: the global ``random`` state belongs to
 # training, which checkpoints it.
 _JITTER = random.Random()
 
 AUTO = "auto"  # a setting the auto-tuner chooses (every_n_steps, write_batch, base_every_n_steps)
+BY_BYTES: Final = "bytes"  # base_every_n_steps sized from the bytes recorded (see CheckpointOptions)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,5 +1,5 @@
-"""Reading a restore's segments ahead of replay, and preparing its records ahead of the
-optimizer, in background threads.
+"""Reading a restore's segments (or, for large ones, their records) ahead of replay, and
+preparing its records ahead of the optimizer, in background threads.
 
 Replay spends its time in ``optimizer.step()``; without reading ahead, each segment's read,
 checksums and zstd would add to it, and without preparing ahead, each record's gradients would be
@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Generic, Protocol, TypeVar
-
-from .format import SegmentName
 
 __all__ = ["THREAD_PREFIX", "Fetched", "Prefetcher", "Preparer", "ReadyAhead"]
 
@@ -24,68 +22,93 @@ THREAD_PREFIX = "diffckpt-prefetch"
 
 Fetched = tuple[dict[str, Any], list[Any], "str | None", int]  # header, records, problem, bytes
 T = TypeVar("T")
+K = TypeVar("K")
+R = TypeVar("R")
 
 
-class Prefetcher:
-    """Reads and decodes segments in order, up to ``depth`` of them (and ``max_bytes``) ahead of
-    the one the caller takes, in up to ``workers`` background threads.
+class Prefetcher(Generic[K, R]):
+    """Fetches items in order, up to ``depth`` counted items (and ``max_bytes``) ahead of the one
+    the caller takes, in up to ``workers`` background threads; iterating gives ``(item, result)``.
 
-    Replay spends its time in ``optimizer.step()``; without this, each segment's read, checksums
-    and zstd would add to it. Results are taken strictly in order and an error raised by a read
-    reaches the caller only when it takes that segment, so what the caller sees does not depend
-    on ``depth``. With ``depth`` 0, or a single segment, each is read on the caller's thread.
+    ``items`` yields ``(item, bytes, counted)`` lazily (it may read storage itself: a segment's
+    index before its records); only ``counted`` items count against ``depth`` (whole segments, not
+    the records of a segment read by range, which only the bytes bound limits). One item is always
+    fetched, however large. Replay spends its time in ``optimizer.step()``; without this, each
+    read, checksums and zstd would add to it. Results are taken strictly in order and an error
+    raised by a fetch reaches the caller only when it takes that item, so what the caller sees
+    does not depend on ``depth``. With ``depth`` 0 each item is fetched on the caller's thread.
     """
 
-    def __init__(self, fetch: Callable[[SegmentName], Fetched], segments: list[SegmentName],
-                 sizes: dict[str, int], depth: int, *, max_bytes: int, workers: int) -> None:
+    def __init__(self, fetch: Callable[[K], R], items: Iterable[tuple[K, int, bool]], depth: int, *,
+                 max_bytes: int, workers: int) -> None:
         self.fetch = fetch
         self.max_bytes = max_bytes
         self.workers = workers
-        self.segments = segments
-        self.sizes = sizes
-        self.depth = max(0, depth) if len(segments) > 1 else 0
-        self.next = 0  # index of the next segment to submit (or, without threads, to read)
-        self.pending: deque[tuple[int, Future[Fetched]]] = deque()  # (bytes, read) in order
-        self.taking: Future[Fetched] | None = None  # the read the caller waits for
+        self.items = iter(items)
+        self.depth = max(0, depth)
+        self.upcoming: tuple[K, int, bool] | None = None  # taken from ``items``, not submitted yet
+        self.pending: deque[tuple[int, bool, Future[R], K]] = deque()  # (bytes, counted, fetch, item)
+        self.taking: Future[R] | None = None  # the fetch the caller waits for
         self.pool: ThreadPoolExecutor | None = None
+        self.held = 0  # bytes submitted and not taken yet: what ``max_bytes`` bounds
+        self.peak = 0  # the most bytes ever held (tests account the window with it)
 
-    def take(self) -> Fetched:
-        """The next segment, read and decoded; what the read raised, raised here."""
+    def __iter__(self) -> Iterator[tuple[K, R]]:
+        return self
+
+    def __next__(self) -> tuple[K, R]:
         if self.depth == 0:
-            self.next += 1
-            return self.fetch(self.segments[self.next - 1])
+            key, size, _ = self._pull()
+            self.peak = max(self.peak, size)
+            return key, self.fetch(key)
         self._fill()
-        _, self.taking = self.pending.popleft()
-        self._fill()  # the window moves on while the caller waits for, then replays, this one
-        return self.taking.result()
+        if not self.pending:
+            raise StopIteration
+        size, _, self.taking, key = self.pending.popleft()
+        self.held -= size  # the window is what is ahead of the item the caller uses
+        self._fill()  # it moves on while the caller waits for, then uses, this one
+        return key, self.taking.result()
+
+    def _pull(self) -> tuple[K, int, bool]:
+        """The next item not submitted yet; StopIteration at the end."""
+        if self.upcoming is None:
+            self.upcoming = next(self.items)
+        item, self.upcoming = self.upcoming, None
+        return item
 
     def _fill(self) -> None:
         if self.pool is None:
-            self.pool = ThreadPoolExecutor(min(self.depth, self.workers),
-                                           thread_name_prefix=THREAD_PREFIX)
-        ahead = sum(n for n, _ in self.pending)
-        while self.next < len(self.segments) and len(self.pending) < self.depth:
-            seg = self.segments[self.next]
-            size = self.sizes.get(seg.path, 0)
-            if self.pending and ahead + size > self.max_bytes:
+            self.pool = ThreadPoolExecutor(min(self.depth, self.workers), thread_name_prefix=THREAD_PREFIX)
+        while True:
+            if self.upcoming is None:
+                try:
+                    self.upcoming = next(self.items)
+                except StopIteration:
+                    return
+            key, size, counts = self.upcoming
+            counted = sum(1 for _, c, _, _ in self.pending if c)
+            if self.pending and (self.held + size > self.max_bytes or (counts and counted >= self.depth)):
                 return
-            self.pending.append((size, self.pool.submit(self.fetch, seg)))
-            ahead += size
-            self.next += 1
+            self.upcoming = None
+            self.pending.append((size, counts, self.pool.submit(self.fetch, key), key))
+            self.held += size
+            self.peak = max(self.peak, self.held)
 
     def close(self) -> None:
-        """Cancel the reads not started. Without a read running, the idle threads are joined
-        (they end at once); a running read is not waited for: it ends on its own, unused."""
-        if self.pool is None:
-            return
-        reads = [future for _, future in self.pending]
-        if self.taking is not None:
-            reads.append(self.taking)
-        for future in reads:
-            future.cancel()
-        running = any(not future.done() for future in reads)  # e.g. Ctrl-C while waiting for one
-        self.pool.shutdown(wait=not running, cancel_futures=True)
-        self.pending.clear()
+        """Cancel the fetches not started. Without a fetch running, the idle threads are joined
+        (they end at once); a running fetch is not waited for: it ends on its own, unused."""
+        if self.pool is not None:
+            reads = [future for _, _, future, _ in self.pending]
+            if self.taking is not None:
+                reads.append(self.taking)
+            for future in reads:
+                future.cancel()
+            running = any(not future.done() for future in reads)  # e.g. Ctrl-C while waiting for one
+            self.pool.shutdown(wait=not running, cancel_futures=True)
+            self.pending.clear()
+        close = getattr(self.items, "close", None)
+        if close is not None:
+            close()
 
 
 class Preparer(Protocol[T]):

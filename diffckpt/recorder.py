@@ -25,10 +25,12 @@ from .codecs.compressor import GradientCompressor
 from .compat import qualname
 from .errors import DiffCkptError
 from .leases import copy_tensors
+from .lifecycle.compaction import training_device
+from .lifecycle.footprint import projection
 from .lifecycle.maintenance import Maintenance
 from .locate import Located, locate
-from .options import CheckpointOptions
-from .policies import IntervalPolicy, StepContext
+from .options import BY_BYTES, CheckpointOptions
+from .policies import IntervalPolicy, StepContext, bytes_interval
 from .replay import ReplayResult
 from .restoring import restore_live
 from .runstore import RunStore
@@ -81,6 +83,10 @@ class Recorder:
         self._last_base = 0
         self._buffer_names: list[str] = []
         self._durable: int | None = None
+        self._base_nbytes = 0  # bytes of the newest base handed to the writer
+        self._projected = False  # the session's storage projection is logged (first record)
+        self._streams = 1  # rank streams under the run root, each writing about as much as this one
+        self._kept: list[tuple[int, int, str]] = []  # (gen, step, why): steps framework saves name
         self.tuning = OnlineTuning(self.options)
         self.maintenance: Maintenance | None = None
 
@@ -141,17 +147,29 @@ class Recorder:
         self.writer.before_wait = self.capture.end_leases
         self.tuning.start(step, self.writer, self._base_bytes_now)
         self._prev_step = self._last_base = step
+        self._base_nbytes, self._projected = 0, False
+        self._streams = int((meta or {}).get("world_size", 1)) if self.stream is not self.store else 1
         o, writer = self.options, self.writer
         retention = o.retention if self.collects_garbage else None
         if o.compact_every_n_steps is not None or retention is not None:
             # Compaction rolls this process's stream forward; retention runs over the whole root.
+            # It replays where training runs unless told otherwise: on another device type the
+            # fingerprints recorded in training need not match, and nothing would be compacted.
             self.maintenance = Maintenance(
                 self.stream.storage, lambda: (writer.durable_step, self._last_base, writer.stats.bases),
-                compact_every_n_steps=o.compact_every_n_steps, retention=retention, device=o.compact_device,
-                collect_from=self.storage,
+                compact_every_n_steps=o.compact_every_n_steps, retention=retention,
+                device=o.compact_device or training_device(module),
+                collect_from=self.storage, kept=lambda: list(self._kept),
                 settled=self._every_rank_based(gen, int((meta or {}).get("world_size", 1)))
                 if retention is not None and self.stream is not self.store else None)
         return gen
+
+    def keep(self, step: int, why: str) -> None:
+        """Keep ``step`` of the running session restorable whatever the retention policy, for as
+        long as this process runs it: a framework's save (a ``ModelCheckpoint`` reference, a
+        ``save_state`` folder) names that step, and must not outlive its data."""
+        if self.writer is not None:
+            self._kept.append((self.writer.gen, step, why))
 
     def _every_rank_based(self, gen: int, world: int) -> Any:
         """Whether every rank's stream of sharded session ``gen`` has committed the newest base this
@@ -164,6 +182,9 @@ class Recorder:
         return settled
 
     def _context(self, step: int) -> StepContext:
+        # A single-process loop never reviews (only CheckpointEngine.commit does): a byte-sized
+        # interval is sized here. Under commit the review has sized it already, on every rank.
+        self.tuning.size_bases()
         s = self.tuning.settings
         return StepContext(step, self._last_base, s.every_n_steps, s.base_every_n_steps,
                            self.options.fingerprint_every_n_steps)
@@ -216,8 +237,10 @@ class Recorder:
         """Keep the step/base clock of a process that does not write (DDP ranks other than 0), so
         that its decisions match the writer's."""
         self._prev_step = step
+        self.tuning.stepped(step)
         if base:
             self._last_base = step
+            self.tuning.based(step)
 
     def record_step(self, step: int, state: Any | None) -> None:
         """Record what the optimizer steps since the previous call consumed.
@@ -256,6 +279,9 @@ class Recorder:
         nbytes = step_bytes + tree_nbytes(record["state"]) + tree_nbytes(record.get("fingerprint_params", []))
         stalled = writer.stats.stall_seconds
         writer.put_record(record, nbytes, leases, HostStage.mark(record))
+        if not self._projected:
+            self._project(nbytes / (step - self._prev_step))
+        self.tuning.stepped(step, nbytes)
         self._prev_step = step
         if self.maintenance is not None:
             self.maintenance.poke()
@@ -283,10 +309,28 @@ class Recorder:
             raise DiffCkptError(f"model state for the base lacks parameters {missing[:3]}")
         stalled = writer.stats.stall_seconds
         params = [tree["model"][n] for n in names]
-        writer.put_base(step, tree, params, tree_nbytes(tree), HostStage.mark((tree, params)))
-        self._last_base = step
+        nbytes = tree_nbytes(tree)
+        writer.put_base(step, tree, params, nbytes, HostStage.mark((tree, params)))
+        self._last_base, self._base_nbytes = step, nbytes
+        self.tuning.based(step, nbytes)
         done = time.perf_counter()
-        self.tuning.note_base(done - start - (writer.stats.stall_seconds - stalled), tree_nbytes(tree), done)
+        self.tuning.note_base(done - start - (writer.stats.stall_seconds - stalled), nbytes, done)
+
+    def _project(self, step_bytes: float) -> None:
+        """Log once per session, at its first record, what the run will take on storage at this
+        many bytes per step (:mod:`diffckpt.lifecycle.footprint`); one process per run root."""
+        self._projected = True
+        if not self.collects_garbage:
+            return
+        o = self.options
+        base = max(self._base_nbytes, self._base_bytes_now())
+        interval, bases = self.tuning.settings.base_every_n_steps, "base"
+        if o.base_every_n_steps == BY_BYTES:  # what the first sizing will choose from this record
+            interval = bytes_interval(o.base_every_diff_bytes_ratio, base, step_bytes)
+        if interval is None and o.compact_every_n_steps is not None:
+            interval, bases = o.compact_every_n_steps, "compacted base"
+        log.info("diffckpt: %s", projection(step_bytes, base, interval, o.retention, streams=self._streams,
+                                            bases=bases))
 
     def flush(self, timeout: float | None = None) -> int | None:
         """Block until everything captured is durable; return the durable step.

@@ -11,27 +11,34 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .errors import CheckpointNotFoundError, ConcurrentWriterError, CorruptRecordError
 from .format import (
     FORMAT_VERSION,
+    LEAD_READ,
     BaseName,
+    SegmentIndex,
     SegmentName,
     checksum_for,
     decode_commit,
     decode_segment,
+    index_length,
+    lead_length,
+    parse_index,
+    segment_lead,
 )
 from .inventory import Inventory, RestorePlan
 from .prefetch import Fetched, Prefetcher, Preparer, ReadyAhead
 from .storage import Storage
+from .storage.spool import ranged, read_range
 
 if TYPE_CHECKING:  # tree imports torch, which `diffckpt ls` and `gc` do without: imported where records are read
     from .borrowing import BlockPool
 
-__all__ = ["PREFETCH_BYTES", "PREFETCH_READY_BYTES", "PREFETCH_SEGMENTS", "RUN_FILE", "ReadStats",
+__all__ = ["PREFETCH_BYTES", "PREFETCH_READY_BYTES", "PREFETCH_SEGMENTS", "RANGED_ABOVE", "RUN_FILE", "ReadStats",
            "RunStore", "session_path", "tuning_path"]
 
 log = logging.getLogger("diffckpt")
@@ -48,6 +55,9 @@ PREFETCH_READY_BYTES = 64 * 2**20
 """At most this many bytes of records (their tensors and the gradients decoded from them) are
 prepared for replay ahead of the record being replayed, besides the segments read ahead. A
 record larger than this is prepared by replay itself when it reaches it."""
+RANGED_ABOVE = 8 << 20
+"""Segments larger than this are read record by record (their index first, by ranged reads),
+so that a restore holds records, not segments; smaller ones are read whole, in one request."""
 PREFETCH_WORKERS = 2
 """Threads that read and decode ahead. Reads wait on storage, and checksums, zstd and the copies
 out of the segment release the GIL, so they overlap with replay; more threads than this slowed
@@ -242,30 +252,44 @@ class RunStore:
     def _records(self, plan: RestorePlan, depth: int, stats: ReadStats | None, count_wait: bool
                  ) -> Generator[tuple[dict[str, Any] | None, str | None], None, None]:
         """:meth:`read_records` before preparation; ``count_wait``: add the time spent waiting
-        for segments to ``stats.wait_s`` (not when this runs on a thread of its own)."""
+        for reads to ``stats.wait_s`` (not when this runs on a thread of its own)."""
         from .borrowing import BlockPool
 
-        expected_after = plan.base.step
         blocks = BlockPool()
-        ahead = Prefetcher(lambda seg: self._fetch(seg, blocks), plan.through_target(), plan.sizes,
-                           depth, max_bytes=PREFETCH_BYTES, workers=PREFETCH_WORKERS)
+        ahead: Prefetcher[_Piece, Any] = Prefetcher(
+            lambda piece: self._fetch_piece(piece, blocks), self._pieces(plan), depth,
+            max_bytes=PREFETCH_BYTES, workers=PREFETCH_WORKERS)
+        expected_after, prev = plan.base.step, plan.base.step
+        problem: str | None = None
         try:
-            for seg in ahead.segments:
+            while True:
                 waited = time.perf_counter()
                 try:
-                    header, records, problem, nbytes = ahead.take()
+                    piece, result = next(ahead)
+                except StopIteration:
+                    return
                 except (CorruptRecordError, CheckpointNotFoundError) as exc:
                     yield None, str(exc)
                     return
-                if stats is not None:
-                    stats.bytes += nbytes
-                    stats.segments += 1
-                    if count_wait:
-                        stats.wait_s += time.perf_counter() - waited
-                if header.get("after") != expected_after or header.get("gen") != seg.gen:
-                    yield None, f"{seg.path}: header does not continue the chain at step {expected_after}"
+                if count_wait and stats is not None:
+                    stats.wait_s += time.perf_counter() - waited
+                seg = piece.seg
+                if piece.error is not None:
+                    yield None, piece.error
                     return
-                prev = expected_after
+                if piece.span is None:  # a segment begins (read whole, or its index)
+                    header, records, problem, nbytes = result
+                    if stats is not None:
+                        stats.bytes += nbytes
+                        stats.segments += 1
+                    if header.get("after") != expected_after or header.get("gen") != seg.gen:
+                        yield None, f"{seg.path}: header does not continue the chain at step {expected_after}"
+                        return
+                    prev = expected_after
+                else:
+                    records = [result]
+                    if stats is not None:
+                        stats.bytes += piece.span[0]["length"]
                 for record in records:
                     if record.get("prev") != prev:
                         yield None, f"{seg.path}: record {record.get('step')} does not follow step {prev}"
@@ -274,6 +298,8 @@ class RunStore:
                         return
                     yield record, None
                     prev = record["step"]
+                if not piece.ends:
+                    continue
                 if prev >= plan.target:  # damage after the target does not concern it
                     return
                 if problem is not None:
@@ -286,9 +312,57 @@ class RunStore:
         finally:
             ahead.close()
 
+    def _pieces(self, plan: RestorePlan) -> Iterator[tuple[_Piece, int, bool]]:
+        """What :meth:`_records` fetches, in order, with the bytes each holds once read: a whole
+        segment, or for a large one on a storage that reads ranges, its index (read here) and then
+        each record up to the target, so that the window and replay hold records, not segments."""
+        for seg in plan.through_target():
+            size = plan.sizes.get(seg.path, 0)
+            if size <= RANGED_ABOVE or not ranged(self.storage):
+                yield _Piece(seg, ends=True), size, True
+                continue
+            try:
+                index = self._index(seg, size)
+            except (CorruptRecordError, CheckpointNotFoundError) as exc:
+                yield _Piece(seg, error=str(exc)), 0, True
+                return
+            spans = [span for span in index.spans if span[0]["step"] <= plan.target]
+            yield _Piece(seg, index=index, ends=not spans), 0, True
+            for i, span in enumerate(spans):
+                yield _Piece(seg, span=span, index=index, ends=i == len(spans) - 1), span[0]["length"], False
+                # the index marker above carries the header; records follow it
+
+    def _index(self, seg: SegmentName, size: int) -> SegmentIndex:
+        """A segment's :class:`~diffckpt.format.SegmentIndex` from ranged reads of its two ends."""
+        head = read_range(self.storage, seg.path, 0, min(size, LEAD_READ))
+        need = lead_length(head, seg.path)
+        if need > len(head):
+            head = read_range(self.storage, seg.path, 0, min(size, need))
+        tail = read_range(self.storage, seg.path, max(0, size - LEAD_READ), size)
+        if segment_lead(head, seg.path)["format"] >= 3:
+            need = index_length(tail, seg.path)
+            if need > len(tail):
+                tail = read_range(self.storage, seg.path, max(0, size - need), size)
+        return parse_index(head, tail, size, seg.path)
+
+    def _fetch_piece(self, piece: _Piece, blocks: BlockPool) -> Any:
+        """What a piece holds, read and decoded (on a prefetch thread, or the caller's): a whole
+        segment as :meth:`_fetch` returns it, a segment's start (its header, no records yet, and
+        the whole-segment problem), or one record read by range."""
+        if piece.index is None:
+            return self._fetch(piece.seg, blocks)
+        if piece.span is None:
+            return piece.index.header, [], piece.index.problem, 0
+        from .borrowing import borrowing
+
+        entry, offset = piece.span
+        blob = read_range(self.storage, piece.seg.path, offset, offset + entry["length"])
+        with borrowing(blocks):
+            return piece.index.decode(entry, blob)
+
     def _fetch(self, seg: SegmentName, blocks: BlockPool) -> Fetched:
-        """Read and decode one segment (on a prefetch thread, or the caller's); its tensors are
-        views of the bytes read where 64-byte aligned, else copies into ``blocks``
+        """Read and decode one whole segment (on a prefetch thread, or the caller's); its tensors
+        are views of the bytes read where 64-byte aligned, else copies into ``blocks``
         (``borrowing.borrowing``)."""
         from .borrowing import borrowing
 
@@ -296,6 +370,19 @@ class RunStore:
         with borrowing(blocks):
             header, records, problem = decode_segment(data, seg.path)
         return header, records, problem, len(data)
+
+
+@dataclass
+class _Piece:
+    """One read of a restore: a whole segment (no ``index``), a segment's start (``index``, no
+    ``span``), one of its records (both), or a segment whose index could not be read (``error``).
+    ``ends``: the last piece of its segment."""
+
+    seg: SegmentName
+    span: tuple[dict[str, Any], int] | None = None
+    index: SegmentIndex | None = None
+    ends: bool = False
+    error: str | None = None
 
 
 @dataclass

@@ -113,6 +113,7 @@ class FrameworkSaves:
             if durable is None or step > durable:
                 raise DiffCkptError(f"cannot save {name}: step {step} is not durable in {rec.storage.url} "
                                     f"(durable up to {durable}); save while checkpointing runs")
+        rec.keep(step, f"saved as {name}")  # retention must not delete what the save names
         self.after_queued(fn)
 
     def every_n(self) -> str:

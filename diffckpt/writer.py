@@ -26,14 +26,16 @@ import torch
 
 from .checksums import fingerprint
 from .errors import ConcurrentWriterError, DiffCkptError, StorageUnavailableError
-from .format import BaseName, SegmentName, base_commit, encode_segment_parts
+from .format import BaseName, SegmentName, base_commit
 from .leases import Lease
+from .openseg import OpenSegment
 from .options import CheckpointOptions
 from .outage import Outage
 from .runstore import RunStore
 from .sharding import narrowed
 from .staging import HostStage
 from .storage import Storage
+from .storage.protocol import data_size
 from .storage.retry import RetryingStorage
 from .tree import pack_parts
 from .tuning.meter import Meter
@@ -42,6 +44,8 @@ from .units import format_bytes
 __all__ = ["BackgroundWriter", "WriterStats"]
 
 log = logging.getLogger("diffckpt")
+_WARN_AFTER_S = 1.0  # a wait for the writer this long is worth a warning
+_WARN_EVERY_S = 60.0  # and then at most one a minute
 
 
 @dataclass
@@ -58,6 +62,7 @@ class WriterStats:
     write_seconds: float = 0.0
     outages: int = 0
     outage_seconds: float = 0.0
+    peak_held_bytes: int = 0  # the most bytes the writer held at once (queued or being encoded)
 
 
 class BackgroundWriter:
@@ -77,13 +82,12 @@ class BackgroundWriter:
         self.durable_step: int | None = None
         self.last_step = after  # newest step handed to the writer
         self._after = after  # step the next segment continues from
-        self._pending: list[dict[str, Any]] = []
-        self._pending_staged: list[list[torch.Tensor]] = []  # per pending record: host buffers to give back
+        self._open: OpenSegment | None = None  # records written to a spool, not committed yet
+        self._committing: threading.Thread | None = None  # the segment being committed
         self.stage = HostStage()
         # Called on the training side before it waits for this thread (a full queue, a flush):
         # it ends the leases this thread may be waiting for (StepCapture.end_leases).
         self.before_wait: Callable[[], None] | None = None
-        self._pending_bytes: list[int] = []  # queue bytes still held by pending records
         self._abandon = threading.Event()
         storage = store.storage
         self.storage = storage.with_cancel(self._abandon) if isinstance(storage, RetryingStorage) else storage
@@ -96,6 +100,7 @@ class BackgroundWriter:
         self._last_buffers: dict[str, torch.Tensor] | None = None
         self._queue: collections.deque[tuple[str, Any, int]] = collections.deque()
         self._queued_bytes = 0
+        self._warned_at = -_WARN_EVERY_S
         self._cond = threading.Condition()
         self._error: BaseException | None = None
         self._closed = False
@@ -104,8 +109,9 @@ class BackgroundWriter:
 
     @property
     def queued_bytes(self) -> int:
-        """Bytes handed over and not durable yet (queued, or pending in an open segment): what
-        counts against ``max_pending_bytes``."""
+        """Bytes the writer holds: records and bases handed over and not yet written (queued,
+        or being encoded). What counts against ``max_pending_bytes``; a record written to the
+        open segment's spool no longer does, and its memory is let go."""
         return self._queued_bytes
 
     # ------------------------------------------------------------ training side
@@ -188,9 +194,12 @@ class BackgroundWriter:
                 self._cond.notify_all()
             # An abandoned writer may sit in a network call; it is a daemon thread, so let it be.
             self._thread.join(timeout=5.0 if abandoned else None)
-        if self._pending and not abandoned:
-            log.info("diffckpt: %d trailing step(s) after the last restorable step were not kept",
-                     len(self._pending))
+        if self._open is not None and not self._thread.is_alive():
+            if len(self._open) and not abandoned:
+                log.info("diffckpt: %d trailing step(s) after the last restorable step were not kept",
+                         len(self._open))
+            self._open.discard()
+            self._open = None
         return self.durable_step
 
     def check(self) -> None:
@@ -205,33 +214,45 @@ class BackgroundWriter:
         self._raise_if_failed()
         if self._closed:
             raise DiffCkptError("the checkpoint writer is closed; create a new one to write more")
-        if self.before_wait is not None and self._queue and self._queued_bytes + nbytes > self.options.max_pending_bytes:
+        if self.before_wait is not None and self._must_wait(nbytes):
             self.before_wait()  # about to wait: the writer may be waiting for a lease
         with self._cond:
-            start = None
-            # Bytes of pending records count too; while the queue is empty the writer is idle and
-            # pending records are at most one segment, so there is nothing to wait for.
-            while self._queue and self._queued_bytes + nbytes > self.options.max_pending_bytes:
+            start = warned = None
+            while self._must_wait(nbytes):
                 if self._error is not None:
                     break
                 self.outage.raise_if(f"the checkpoint buffer is full ({format_bytes(self._queued_bytes)}, "
                                      f"max_pending_bytes {format_bytes(self.options.max_pending_bytes)})",
                                      self.durable_step)
-                if start is None:
-                    start = time.monotonic()
-                    cause = self.outage.cause(start, self.durable_step) or "storage is slower than training"
+                now = time.monotonic()
+                start = now if start is None else start
+                # A record larger than the bound waits for the one before it at every step, which
+                # is the bound at work, not news: only a wait that lasts is worth a warning.
+                # An outage is news at once.
+                outage = self.outage.cause(start, self.durable_step)
+                if warned is None and (outage or (now - start >= _WARN_AFTER_S and now - self._warned_at >= _WARN_EVERY_S)):
+                    warned = self._warned_at = now
+                    cause = outage or "storage is slower than training"
                     log.warning(
-                        "diffckpt: writer is behind (%s queued, limit %s): %s; training waits "
+                        "diffckpt: writer is behind (%s held, limit %s): %s; training waits "
                         "for storage and nothing is dropped. Raise max_pending_bytes, write_batch or "
                         "every_n_steps, or use faster storage.", format_bytes(self._queued_bytes),
                         format_bytes(self.options.max_pending_bytes), cause)
-                self._cond.wait(0.5)
+                self._cond.wait(0.1)
             if start is not None:
                 self.stats.stall_seconds += time.monotonic() - start
             self._queue.append((kind, item, nbytes))
             self._queued_bytes += nbytes
+            self.stats.peak_held_bytes = max(self.stats.peak_held_bytes, self._queued_bytes)
             self._cond.notify_all()
         self._raise_if_failed()
+
+    def _must_wait(self, nbytes: int) -> bool:
+        """Whether handing over ``nbytes`` now would hold more than ``max_pending_bytes``; a
+        record larger than the bound waits only until what is held is within it, so the writer
+        never holds more than the bound plus one record."""
+        bound = self.options.max_pending_bytes
+        return bool(self._queued_bytes) and self._queued_bytes + nbytes > bound + (nbytes if nbytes > bound else 0)
 
     # -------------------------------------------------------------- writer side
     def _run(self) -> None:
@@ -242,22 +263,19 @@ class BackgroundWriter:
                 if not self._queue:
                     return
                 kind, item, nbytes = self._queue.popleft()
-            held = False  # a record's bytes stay counted until its segment is written
             try:
                 if self._error is None:
-                    if kind == "record":
-                        self._pending_bytes.append(nbytes)
-                        held = True
                     self._handle(kind, item)
             except BaseException as exc:  # kept and re-raised on the training thread
-                log.error("diffckpt: background write failed: %s", exc)
-                self._error = exc
+                if exc is not self._error:  # a commit's error is logged where it happened
+                    log.error("diffckpt: background write failed: %s", exc)
+                    self._error = exc
             finally:
                 if kind == "flush":
                     item.set()
+                item = None  # a record's memory goes now that its bytes are written
                 with self._cond:
-                    if not held:
-                        self._queued_bytes -= nbytes
+                    self._queued_bytes -= nbytes
                     self._cond.notify_all()
 
     def _handle(self, kind: str, item: Any) -> None:
@@ -294,56 +312,75 @@ class BackgroundWriter:
             for event in record["events"]:
                 if "grads" in event:
                     event["grads"] = [[None if g is None else narrowed(g) for g in group] for group in event["grads"]]
-        self._pending.append(record)
-        self._pending_staged.append(staged)
-        if record.get("state") is not None and (self._cut_next or len(self._pending) >= self.write_batch):
+        if self._open is None:
+            self._open = OpenSegment(self.storage, self.gen, self._after, self.options.compression,
+                                     self.options.compression_level)
+        try:
+            self._open.add(record)  # a full disk: a StorageError naming the spool's folder
+        finally:
+            self.stage.release(staged)
+        if record.get("state") is not None and (self._cut_next or len(self._open) >= self.write_batch):
             self._cut_next = False
-            self._write_segment()
+            self._write_segment(wait=False)
 
-    def _write_segment(self) -> None:
-        """Commit pending records up to the newest restorable one; keep the rest pending."""
-        cut = max((i + 1 for i, r in enumerate(self._pending) if r.get("state") is not None), default=0)
-        if not cut:
-            return
-        records = self._pending[:cut]
-        name = SegmentName(self._after, records[-1]["step"], self.gen)
-        header = {"gen": self.gen, "after": self._after, "last": name.last}
+    def _write_segment(self, wait: bool = True) -> None:
+        """Commit the open segment's records up to the newest restorable one; the rest stay open.
+
+        The commit (a rename on local disk, an upload on object stores) runs in a thread of its
+        own, so that the writer encodes the next records meanwhile and training does not wait for
+        an upload while storage keeps up. One commit at a time: segments become durable in order,
+        and at most two spools exist. ``wait``: return only once it is committed (a flush, a base,
+        a call); a segment cut at ``write_batch`` does not wait."""
+        segment = self._open
+        cut = segment.cut() if segment is not None else 0
+        if segment is not None and cut:
+            entries = segment.encoder.entries[:cut]
+            raw = sum(e["raw_length"] for e in entries)
+            name, self._open = segment.finish(cut)
+            if self.meter is not None:
+                self.meter.add_segment(raw, segment.spool.size, segment.encode_s)
+            self._settle()
+            self._after = name.last
+            self._committing = threading.Thread(target=self._commit_segment, args=(segment, name, cut, raw),
+                                                name=f"diffckpt-commit-g{self.gen}", daemon=True)
+            self._committing.start()
+        if wait:
+            self._settle()
+
+    def _commit_segment(self, segment: OpenSegment, name: SegmentName, records: int, raw: int) -> None:
         start = time.monotonic()
-        info: dict[str, Any] = {}
-        parts = encode_segment_parts(header, records, self.options.compression, self.options.compression_level, info)
-        if self.meter is not None:
-            self.meter.add_segment(info["raw_bytes"], sum(len(p) for p in parts), time.monotonic() - start)
-        self._commit(name.path, parts)
-        self.stats.write_seconds += time.monotonic() - start
-        self._forget(cut)
-        with self._cond:
-            self._queued_bytes -= sum(self._pending_bytes[:cut])
-            del self._pending_bytes[:cut]
-            self._cond.notify_all()
+        size = segment.spool.size
+        try:
+            self._commit(name.path, segment.spool)
+        except BaseException as exc:  # kept and re-raised on the training thread, as the writer's
+            if self._error is None:
+                log.error("diffckpt: background write failed: %s", exc)
+                self._error = exc
+            return
+        finally:
+            segment.discard()
+        self.stats.write_seconds += time.monotonic() - start + segment.encode_s
         self.stats.segments += 1
-        self.stats.records += len(records)
-        self.stats.segment_bytes += sum(len(p) for p in parts)
-        self.stats.raw_record_bytes += info["raw_bytes"]
-        self._after = name.last
+        self.stats.records += records
+        self.stats.segment_bytes += size
+        self.stats.raw_record_bytes += raw
         self.durable_step = name.last
 
-    def _drop_superseded(self, step: int) -> None:
-        """Drop pending records up to a base's step: none is restorable (the segment written just
-        before ended at the newest restorable one) and the base carries the state after them."""
-        cut = sum(1 for r in self._pending if r["step"] <= step)
-        if cut:
-            self._forget(cut)
-            with self._cond:
-                self._queued_bytes -= sum(self._pending_bytes[:cut])
-                del self._pending_bytes[:cut]
-                self._cond.notify_all()
+    def _settle(self) -> None:
+        """Wait for the segment being committed, if any (an abandoned writer stops waiting)."""
+        committing, self._committing = self._committing, None
+        while committing is not None and committing.is_alive():
+            committing.join(0.1)
+            if self._abandon.is_set():
+                raise StorageUnavailableError("the writer was abandoned while a segment was being committed")
+        if self._error is not None:
+            raise self._error
 
-    def _forget(self, cut: int) -> None:
-        """Drop the first ``cut`` pending records (written, or superseded by a base)."""
-        del self._pending[:cut]
-        for staged in self._pending_staged[:cut]:
-            self.stage.release(staged)
-        del self._pending_staged[:cut]
+    def _drop_superseded(self, step: int) -> None:
+        """Drop the open records up to a base's step: none is restorable (the segment written just
+        before ended at the newest restorable one) and the base carries the state after them."""
+        if self._open is not None:
+            self._open = self._open.drop_through(step)
 
     def _write_base(self, step: int, tree: dict[str, Any], params: list[torch.Tensor], ready: Any) -> None:
         start = time.monotonic()
@@ -379,8 +416,7 @@ class BackgroundWriter:
                 if self._abandon.wait(self.options.retry.max_backoff_s):
                     raise
         if self.meter is not None and not failed:  # what a request costs here, fence check included
-            self.meter.add_write(len(data) if isinstance(data, bytes) else sum(len(p) for p in data),
-                                 time.monotonic() - start)
+            self.meter.add_write(data_size(data), time.monotonic() - start)
         self.outage.over(self._queued_bytes)
 
     def _check_fence(self) -> None:

@@ -25,6 +25,7 @@ from diffckpt.integration import (
     NOT_GIVEN_EVERY_N_STEPS,
     NOT_GIVEN_WRITE_BATCH,
     Auto,
+    ByBytes,
     CheckpointEngine,
     CheckpointOptions,
     Codec,
@@ -53,7 +54,10 @@ class DiffCheckpoint(ModelCheckpoint):
         dirpath: run root: a local path or any fsspec URL (``memory://``, ``s3://``...).
         every_n_steps: a restorable point every this many optimizer steps.
         write_batch: consecutive step records per segment (one write each).
-        base_every_n_steps: a full base every this many steps, plus one when training starts.
+        base_every_n_steps: ``"bytes"`` (the default): a full base once the step records since the
+            last one add up to ``options.base_every_diff_bytes_ratio`` (4) times a base's size; an
+            integer: a full base every this many steps; ``None``: none but the one when training starts
+            (there is one when training starts in every case).
             Each of the three may be ``"auto"``: the auto-tuner measures the run and picks it
             for ``options.tuning`` (:class:`diffckpt.TuningOptions`); its decisions are logged to
             the Trainer's loggers as ``diffckpt/*`` metrics.
@@ -72,7 +76,7 @@ class DiffCheckpoint(ModelCheckpoint):
 
     def __init__(self, dirpath: str | os.PathLike[str], *, every_n_steps: int | Auto | NotGiven = NOT_GIVEN_EVERY_N_STEPS,
                  write_batch: int | Auto | NotGiven = NOT_GIVEN_WRITE_BATCH,
-                 base_every_n_steps: int | Auto | NotGiven | None = NOT_GIVEN_BASE_EVERY_N_STEPS,
+                 base_every_n_steps: int | Auto | ByBytes | NotGiven | None = NOT_GIVEN_BASE_EVERY_N_STEPS,
                  options: CheckpointOptions | None = None, storage_options: dict[str, Any] | None = None,
                  codec: Codec | None = None, **legacy: Any) -> None:
         refuse_model_checkpoint_keywords(legacy)

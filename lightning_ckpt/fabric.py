@@ -26,6 +26,7 @@ from diffckpt.integration import (
     NOT_GIVEN_EVERY_N_STEPS,
     NOT_GIVEN_WRITE_BATCH,
     Auto,
+    ByBytes,
     CheckpointOptions,
     LoopCheckpointer,
     NotGiven,
@@ -76,7 +77,7 @@ class FabricCheckpointer(LoopCheckpointer):
     def __init__(self, fabric: Fabric, dirpath: str | os.PathLike[str], *, model: Any, optimizers: Any,
                  schedulers: Any = (), every_n_steps: int | Auto | NotGiven = NOT_GIVEN_EVERY_N_STEPS,
                  write_batch: int | Auto | NotGiven = NOT_GIVEN_WRITE_BATCH,
-                 base_every_n_steps: int | Auto | NotGiven | None = NOT_GIVEN_BASE_EVERY_N_STEPS,
+                 base_every_n_steps: int | Auto | ByBytes | NotGiven | None = NOT_GIVEN_BASE_EVERY_N_STEPS,
                  options: CheckpointOptions | None = None, storage_options: dict[str, Any] | None = None,
                  log_every_n_steps: int = 50, **legacy: Any) -> None:
         check_supported(fabric)

@@ -40,7 +40,9 @@ class LoopState:
 
 Maker = Callable[[], tuple[torch.nn.Module, list[torch.optim.Optimizer]]]
 Truth = dict[int, dict[str, Any]]  # step -> {"model", "optimizers", "state"} as they truly were
-OPTIONS = {"write_batch": 3, "base_every_n_steps": 5, "fingerprint_every_n_steps": 2}
+# retention=None: these runs check that every step restores, which the default retention (the
+# two newest bases' chains) would not keep.
+OPTIONS = {"write_batch": 3, "base_every_n_steps": 5, "fingerprint_every_n_steps": 2, "retention": None}
 
 
 def make() -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
@@ -54,6 +56,16 @@ def snapshot(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
     return {**untouched(module, optimizers), "state": {"x": step}}
 
 
+def optimizer_step(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer], step: int) -> None:
+    """One training step of ``make``'s model on the batch of ``step`` (seeded by it)."""
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+    for o in optimizers:
+        o.zero_grad()
+    module(x).pow(2).mean().backward()
+    for o in optimizers:
+        o.step()
+
+
 def train_steps(engine: CheckpointEngine, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
                 first: int, last: int, truth: dict[int, dict[str, Any]], every: int | None = 1,
                 before_record: Callable[[CheckpointEngine, int], None] | None = None) -> None:
@@ -61,12 +73,7 @@ def train_steps(engine: CheckpointEngine, module: torch.nn.Module, optimizers: l
     ``every`` are not restorable points (``None``: those the engine's settings say, as an
     adapter asks). ``before_record(engine, step)`` runs before each record."""
     for step in range(first, last + 1):
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
-        for o in optimizers:
-            o.zero_grad()
-        module(x).pow(2).mean().backward()
-        for o in optimizers:
-            o.step()
+        optimizer_step(module, optimizers, step)
         truth[step] = snapshot(module, optimizers, step)
         if before_record is not None:
             before_record(engine, step)
@@ -119,14 +126,44 @@ def base_dir(root: Path, step: int, gen: int = 1) -> Path:
     return root / "bases" / f"{step:012d}.g{gen:06d}"
 
 
-def record_span(data: bytes, step: int) -> tuple[int, int]:
-    """``(offset, length)`` of the record blob of ``step`` inside a segment."""
+def segment_entries(data: bytes) -> list[tuple[dict[str, Any], int]]:
+    """``(index entry, offset of its blob)`` of each record of an intact segment, any format,
+    read by docs/format.md with struct/json only (not diffckpt's parser, which the tests check):
+    formats 1 and 2 list the records in the header; format 3 in the index at the end, behind
+    the index's u32 length and the 16-byte digest."""
     (hlen,) = struct.unpack_from("<I", data, 8)
-    offset = 12 + hlen
-    for entry in json.loads(data[12 : 12 + hlen])["records"]:
+    lead = json.loads(data[12 : 12 + hlen])
+    if lead["format"] >= 3:
+        (ilen,) = struct.unpack_from("<I", data, len(data) - 20)
+        entries = json.loads(data[len(data) - 20 - ilen : len(data) - 20])["records"]
+    else:
+        entries = lead["records"]
+    out, offset = [], 12 + hlen
+    for entry in entries:
+        out.append((entry, offset))
+        offset += entry["length"]
+    return out
+
+
+def build_segment(lead: dict[str, Any], blobs: list[bytes], index: dict[str, Any]) -> bytes:
+    """A format-3 segment written by docs/format.md section 4 with struct/json/xxhash only, from
+    its lead and index JSON objects as given (which may be wrong on purpose: tests of damage)."""
+    import xxhash
+
+    def dump(obj: Any) -> bytes:
+        return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
+
+    head, body = dump(lead), dump(index)
+    start = b"DCKSEG\x00\x01" + struct.pack("<I", len(head)) + head
+    end = body + struct.pack("<I", len(body))
+    return start + b"".join(blobs) + end + xxhash.xxh3_128(start + end).digest()
+
+
+def record_span(data: bytes, step: int) -> tuple[int, int]:
+    """``(offset, length)`` of the record blob of ``step`` inside an intact segment (any format)."""
+    for entry, offset in segment_entries(data):
         if entry["step"] == step:
             return offset, entry["length"]
-        offset += entry["length"]
     raise KeyError(step)
 
 

@@ -33,6 +33,7 @@ from diffckpt.integration import (
     NOT_GIVEN_EVERY_N_STEPS,
     NOT_GIVEN_WRITE_BATCH,
     Auto,
+    ByBytes,
     CheckpointEngine,
     CheckpointOptions,
     NotGiven,
@@ -71,7 +72,10 @@ class DiffCheckpointCallback(TrainerCallback):
             (not the Trainer's ``output_dir``). With several processes it must be shared storage.
         every_n_steps: a restorable point every this many optimizer steps.
         write_batch: consecutive step records per segment (one write each).
-        base_every_n_steps: a full base every this many steps, plus one when training starts.
+        base_every_n_steps: ``"bytes"`` (the default): a full base once the step records since the
+            last one add up to ``options.base_every_diff_bytes_ratio`` (4) times a base's size; an
+            integer: a full base every this many steps; ``None``: none but the one when training starts
+            (there is one when training starts in every case).
             Each of the three may be ``"auto"``: the auto-tuner measures the run and picks it
             for ``options.tuning`` (:class:`diffckpt.TuningOptions`).
         options: every other setting (:class:`diffckpt.CheckpointOptions`: fingerprints, queue
@@ -82,7 +86,7 @@ class DiffCheckpointCallback(TrainerCallback):
 
     def __init__(self, dirpath: str | os.PathLike[str], *, every_n_steps: int | Auto | NotGiven = NOT_GIVEN_EVERY_N_STEPS,
                  write_batch: int | Auto | NotGiven = NOT_GIVEN_WRITE_BATCH,
-                 base_every_n_steps: int | Auto | NotGiven | None = NOT_GIVEN_BASE_EVERY_N_STEPS,
+                 base_every_n_steps: int | Auto | ByBytes | NotGiven | None = NOT_GIVEN_BASE_EVERY_N_STEPS,
                  options: CheckpointOptions | None = None, storage_options: dict[str, Any] | None = None) -> None:
         self.url = os.fspath(dirpath)
         self.options = merge_options(options, {}, every_n_steps=every_n_steps, write_batch=write_batch,

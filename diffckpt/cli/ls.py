@@ -10,6 +10,7 @@ from typing import Any
 from ..errors import DiffCkptError
 from ..format import BaseName, decode_commit
 from ..inventory import Inventory
+from ..policyoptions import BY_BYTES
 from ..runstore import RunStore
 from ..units import format_bytes, format_duration
 from .common import open_run, table, when
@@ -38,11 +39,14 @@ def _human(key: str, value: Any) -> str:
 
 
 def _shown(key: str, value: Any, options: dict[str, Any]) -> bool:
-    """Settings worth a place in ``ls``: tuning only when tuned, compaction and retention when set."""
+    """Settings worth a place in ``ls``: tuning only when tuned, compaction and retention when set,
+    the byte ratio of bases when it sizes them."""
     if key.startswith("tuning."):
         return _auto(options)
     if key in ("retention", "compact_every_n_steps"):
         return value is not None
+    if key == "base_every_diff_bytes_ratio":
+        return options.get("base_every_n_steps") == BY_BYTES
     return key != "compact_device" or options.get("compact_every_n_steps") is not None
 
 

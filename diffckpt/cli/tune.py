@@ -12,7 +12,7 @@ import dataclasses
 import json
 from typing import Any
 
-from ..options import CheckpointOptions
+from ..options import BY_BYTES, CheckpointOptions
 from ..tuning.host import COPY_PROBE_BYTES
 from ..tuning.model import TuningOptions
 from ..tuning.planner import FIXED_BASE_EVERY, NOTE, advise
@@ -57,13 +57,16 @@ def parse_knob(text: str) -> int | str:
 
 
 def parse_base_knob(text: str) -> int | str | None:
-    """``base_every_n_steps``: as :func:`parse_knob`, or ``none`` (only the starting base)."""
+    """``base_every_n_steps``: as :func:`parse_knob`, ``none`` (only the starting base) or
+    ``bytes`` (the training default: sized from the bytes of a step and of a base)."""
     if text.strip().lower() == "none":
         return None
+    if text.strip().lower() == BY_BYTES:
+        return BY_BYTES
     try:
         return parse_knob(text)
     except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"not a positive integer, 'none' or 'auto': {text!r}") from None
+        raise argparse.ArgumentTypeError(f"not a positive integer, 'none', 'auto' or 'bytes': {text!r}") from None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -104,8 +107,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fix this knob and tune the others")
     p.add_argument("--write-batch", type=parse_knob, default="auto", metavar="N|auto",
                    help="fix this knob and tune the others")
-    p.add_argument("--base-every-n-steps", type=parse_base_knob, default="auto", metavar="N|none|auto",
-                   help="fix this knob and tune the others")
+    p.add_argument("--base-every-n-steps", type=parse_base_knob, default="auto", metavar="N|none|auto|bytes",
+                   help="fix this knob and tune the others (bytes: the interval training's default "
+                        "base_every_n_steps='bytes' gives this model)")
     p.add_argument("--probe-sizes", type=parse_sizes, default=list(DEFAULT_SIZES), metavar="SIZES",
                    help="comma-separated object sizes to write (default 4KiB,1MiB,16MiB)")
     p.add_argument("--repeats", type=parse_positive, default=DEFAULT_REPEATS, metavar="N",

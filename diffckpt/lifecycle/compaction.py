@@ -29,10 +29,11 @@ from ..errors import CheckpointNotFoundError
 from ..format import BaseName, base_commit
 from ..loading import load_state
 from ..runstore import RunStore
+from ..sharding import local
 from ..storage import Storage, open_storage
 from ..tree import pack_parts
 
-__all__ = ["CompactionResult", "compact"]
+__all__ = ["CompactionResult", "compact", "training_device"]
 
 log = logging.getLogger("diffckpt")
 
@@ -62,6 +63,15 @@ class CompactionResult:
                 "verified_at_step": self.verified_at_step, "bytes": self.bytes,
                 "seconds": round(self.seconds, 3), "replay_s": round(self.replay_s, 3),
                 "steps_per_s": round(self.replayed / self.replay_s, 1) if self.replay_s > 0 else None}
+
+
+def training_device(module: torch.nn.Module) -> str:
+    """Where background compaction replays by default: the device ``module``'s parameters are on
+    (a sharded parameter's local piece; the CPU without parameters). Replay is bit-exact on the
+    device type training ran on, so a base compacted there matches the fingerprints recorded in
+    training."""
+    param = next(module.parameters(), None)
+    return "cpu" if param is None else str(local(param).device)
 
 
 def compaction_target(store: RunStore, to: int | None) -> tuple[int, int, int]:

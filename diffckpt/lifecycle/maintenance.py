@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..runstore import RunStore
@@ -44,12 +44,15 @@ class Maintenance:
             stream has committed this session's newest base. The last retention pass at
             :meth:`close` waits for it (up to close's timeout), so that a finished job leaves every
             stream trimmed alike and not only those whose writers happened to finish first.
+        kept: ``(gen, step, why)`` of further steps retention keeps, asked at each pass (steps
+            that a framework's saves name, which the policy does not know of).
     """
 
     def __init__(self, storage: Storage, progress: Callable[[], tuple[int | None, int, int]], *,
                  compact_every_n_steps: int | None, retention: RetentionPolicy | None,
                  device: str = "cpu", collect_from: Storage | None = None,
-                 settled: Callable[[], bool] | None = None) -> None:
+                 settled: Callable[[], bool] | None = None,
+                 kept: Callable[[], Sequence[tuple[int, int, str]]] | None = None) -> None:
         self.store = RunStore(storage)
         # Retention runs over the run root (all rank streams of sharded training), compaction
         # over the stream this process writes.
@@ -65,6 +68,7 @@ class Maintenance:
         self._bases_seen = 0
         self._final = True
         self.settled = settled
+        self.kept = kept
         self._settle_by = 0.0  # time.monotonic() until which the last pass waits for ``settled``
         self._busy = False
         self._wake = threading.Event()
@@ -137,7 +141,7 @@ class Maintenance:
             self.compactions.append(result.to_json())
             collect = True
         if self.retention is not None and collect:
-            plan = plan_gc(self.collect_store, self.retention)
+            plan = plan_gc(self.collect_store, self.retention, also=self.kept() if self.kept is not None else ())
             if plan.objects:
                 done = apply_gc(self.collect_store, plan)
                 self.collections.append(done)

@@ -222,11 +222,12 @@ def plan_gc(store: RunStore, policy: RetentionPolicy, now: float | None = None,
     plan.leftovers = [x for x in leftovers(store, details, committed, now - policy.min_age_s)
                       if x.path not in planned and not x.path.startswith(RANKS_PREFIX)]
     if streams:
-        plan.streams = _plan_streams(store, policy, now)
+        plan.streams = _plan_streams(store, policy, now, also)
     return plan
 
 
-def _plan_streams(store: RunStore, policy: RetentionPolicy, now: float) -> dict[str, GcPlan]:
+def _plan_streams(store: RunStore, policy: RetentionPolicy, now: float,
+                  also: Sequence[tuple[int, int, str]] = ()) -> dict[str, GcPlan]:
     run = ShardedRun(store.storage)
     sessions = run.sessions()
     floors = []
@@ -238,7 +239,7 @@ def _plan_streams(store: RunStore, policy: RetentionPolicy, now: float) -> dict[
     plans = {}
     for prefix in rank_streams(store.storage):
         sub = RunStore(substorage(store.storage, prefix))
-        plans[prefix] = plan_gc(sub, policy, now, floors)
+        plans[prefix] = plan_gc(sub, policy, now, [*floors, *also])  # a sharded step lies in every stream
     return plans
 
 

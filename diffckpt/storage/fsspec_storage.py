@@ -12,19 +12,23 @@ import contextlib
 import errno
 import os
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
+from fsspec.implementations.memory import MemoryFile
 from fsspec.spec import AbstractBufferedFile
 
 from ..errors import CheckpointNotFoundError, StorageError
-from .protocol import Buffer, Data, as_bytes
+from .protocol import Buffer, Data, as_bytes, data_size
 from .retry import is_transient
+from .spool import Spool, temporary_spool
 
 __all__ = ["FsspecStorage", "explain"]
+
+T = TypeVar("T")
 
 
 def explain(exc: BaseException, action: str, where: str) -> StorageError:
@@ -58,6 +62,15 @@ def _precondition_failed(exc: BaseException | None) -> bool:
     return False
 
 
+def _fsync_directory(directory: str) -> None:
+    """Make a rename in ``directory`` durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _mtime(info: dict[str, Any]) -> float | None:
     """Modification time from a listing entry, whatever the backend calls it."""
     for key in ("mtime", "LastModified", "Initiated", "last_modified", "created"):
@@ -81,12 +94,20 @@ class FsspecStorage:
     ``multipart_threshold`` are streamed in ``part_size`` parts rather than joined into a second
     copy in memory.
 
+    :meth:`spool` gives the file to append an object's bytes to before writing it: on local disk
+    it is that temporary file already (committing renames it), elsewhere one in the system
+    temporary folder (committing uploads it, a part at a time). Ranges of objects are read with
+    :meth:`read_range` (``ranged`` is true).
+
     Args:
         url: local path or fsspec URL of the run root.
         part_size: bytes per part of a streamed (multipart) upload; S3 needs at least 5 MiB.
         multipart_threshold: objects at least this large are streamed.
         **storage_options: passed to fsspec (credentials, endpoint, ...).
     """
+
+    ranged = True
+    """:meth:`read_range` reads only the bytes asked for, on every fsspec file system."""
 
     def __init__(self, url: str, *, part_size: int = 32 << 20, multipart_threshold: int = 64 << 20,
                  **storage_options: Any) -> None:
@@ -100,20 +121,75 @@ class FsspecStorage:
     def _full(self, path: str) -> str:
         return f"{self.root}/{path}" if path else self.root
 
-    def write(self, path: str, data: Data) -> None:
-        full = self._full(path)
-        parts = [data] if isinstance(data, (bytes, memoryview)) else data
+    def spool(self, hint: str) -> Spool:
+        """A spool for an object to be written at a path like ``hint``. On local disk it is a
+        hidden ``.tmp`` file in the target's directory, so that :meth:`write` commits it with a
+        rename, and a writer killed before that leaves a temporary file that garbage collection
+        recognises. Elsewhere it is in the system temporary folder (:func:`temporary_spool`)."""
+        if not self.local:
+            return temporary_spool(hint)
+        full = self._full(hint)
+        directory = os.path.dirname(full)
         try:
-            if self.local:
-                self._write_local(full, parts)
-            elif sum(len(p) for p in parts) >= self.multipart_threshold:
-                self._stream(full, parts)
-            else:
-                self.fs.pipe_file(full, as_bytes(parts))
+            os.makedirs(directory, exist_ok=True)
+            return Spool(os.path.join(directory, f".{os.path.basename(full)}.{uuid.uuid4().hex[:8]}.tmp"))
+        except Exception as exc:
+            raise explain(exc, "write", f"{self.url}/{hint}") from exc
+
+    def write(self, path: str, data: Data) -> None:
+        self._guarded("write", path, lambda: self._write(self._full(path), data))
+
+    def _write(self, full: str, data: Data) -> None:
+        if isinstance(data, Spool):
+            self._write_spool(full, data)
+            return
+        parts = [data] if isinstance(data, (bytes, memoryview)) else data
+        if self.local:
+            self._write_local(full, parts)
+        elif data_size(parts) >= self.multipart_threshold:
+            self._stream(full, parts)
+        else:
+            self.fs.pipe_file(full, as_bytes(parts))
+
+    def _guarded(self, action: str, path: str, fn: Callable[[], T]) -> T:
+        """``fn()``, its failures turned into a :class:`StorageError` that explains them, and a
+        missing object that is read into :class:`CheckpointNotFoundError`."""
+        try:
+            return fn()
         except StorageError:
             raise
         except Exception as exc:  # fsspec backends raise many types
-            raise explain(exc, "write", f"{self.url}/{path}") from exc
+            if action == "read" and isinstance(exc, FileNotFoundError):
+                raise CheckpointNotFoundError(f"{self.url}/{path} does not exist") from None
+            raise explain(exc, action, f"{self.url}/{path}") from exc
+
+    def _write_spool(self, full: str, spool: Spool) -> None:
+        if self.local:
+            self._commit_local(full, spool)
+        elif spool.size >= self.multipart_threshold:
+            self._stream(full, spool.chunks(self.part_size))  # one part in memory at a time
+        else:
+            self.fs.pipe_file(full, as_bytes(spool))
+
+    def _commit_local(self, full: str, spool: Spool) -> None:
+        """Rename the spool's file to ``full``, with the durability of :meth:`_write_local`; copy
+        it where a rename cannot do (another device, a temporary-folder spool, a file gone)."""
+        if spool.temporary:  # owner-only: a copy gets the permissions of every other object
+            self._write_local(full, spool)
+            return
+        directory = os.path.dirname(full)
+        os.makedirs(directory, exist_ok=True)
+        spool.sync()
+        try:
+            os.replace(spool.path, full)
+        except OSError as exc:
+            # EXDEV: the spool is on another file system. ENOENT: its name is gone (an earlier
+            # attempt renamed it and failed after, or gc removed it): its open file still reads.
+            if exc.errno not in (errno.EXDEV, errno.ENOENT):
+                raise
+            self._write_local(full, spool)
+            return
+        _fsync_directory(directory)
 
     def create(self, path: str, data: bytes) -> bool:
         full = self._full(path)
@@ -137,13 +213,13 @@ class FsspecStorage:
             raise explain(exc, "create", f"{self.url}/{path}") from exc
 
     @staticmethod
-    def _write_local(full: str, parts: Sequence[Buffer], exclusive: bool = False) -> bool:
+    def _write_local(full: str, parts: Iterable[Buffer], exclusive: bool = False) -> bool:
         directory = os.path.dirname(full)
         os.makedirs(directory, exist_ok=True)
         tmp = os.path.join(directory, f".{os.path.basename(full)}.{uuid.uuid4().hex[:8]}.tmp")
         try:
             with open(tmp, "wb") as fh:
-                fh.writelines(parts)  # buffers go to the file without being joined first
+                fh.writelines(parts)  # buffers (or a spool's chunks) go out without being joined
                 fh.flush()
                 os.fsync(fh.fileno())
             if exclusive:
@@ -159,14 +235,10 @@ class FsspecStorage:
             if os.path.exists(tmp):
                 os.unlink(tmp)
             raise
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync_directory(directory)
         return True
 
-    def _stream(self, full: str, parts: Sequence[Buffer]) -> None:
+    def _stream(self, full: str, parts: Iterable[Buffer]) -> None:
         """Upload in parts of ``part_size``; on failure abort, so that no partial object appears."""
         fh = self.fs.open(full, "wb", block_size=self.part_size)
         try:
@@ -180,15 +252,37 @@ class FsspecStorage:
                 fh.closed = True  # closing (also from __del__) would commit what was written so far
                 with contextlib.suppress(Exception):
                     fh.discard()  # S3: abort the multipart upload (else a lifecycle rule must)
+            elif isinstance(fh, MemoryFile):  # memory:// commits a file when it is opened
+                with contextlib.suppress(Exception):
+                    self.fs.rm_file(full)
             raise
 
     def read(self, path: str) -> bytes:
+        return self._guarded("read", path, lambda: bytes(self.fs.cat_file(self._full(path))))
+
+    def read_range(self, path: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of the object at ``path`` (fewer if it ends before ``end``);
+        raise :class:`CheckpointNotFoundError` if it is absent."""
+        if start < 0 or end < start:
+            raise ValueError(f"invalid byte range [{start}, {end}) of {path}")
+        return self._guarded("read", path, lambda: self._cat_range(self._full(path), start, end))
+
+    def _cat_range(self, full: str, start: int, end: int) -> bytes:
+        if end == start:  # S3 answers an empty range with the whole object
+            self._size(full)  # an absent object is still an error
+            return b""
         try:
-            return bytes(self.fs.cat_file(self._full(path)))
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(f"{self.url}/{path} does not exist") from None
-        except Exception as exc:
-            raise explain(exc, "read", f"{self.url}/{path}") from exc
+            return bytes(self.fs.cat_file(full, start=start, end=end))
+        except OSError as exc:
+            # S3 refuses (416, EINVAL) a range that starts at the end or past it, where a file
+            # gives no bytes: give none too, unless that is not why
+            if exc.errno != errno.EINVAL or self._size(full) > start:
+                raise
+            return b""
+
+    def _size(self, full: str) -> int:
+        self.fs.invalidate_cache(full)
+        return int(self.fs.info(full).get("size") or 0)
 
     def list(self, prefix: str) -> dict[str, int]:
         return {rel: size for rel, (size, _) in self.details(prefix).items()

@@ -16,6 +16,7 @@ from ..errors import CheckpointNotFoundError, DiffCkptError
 from .fsspec_storage import FsspecStorage, explain
 from .protocol import Data, InspectableStorage, Storage
 from .retry import RetryingStorage, RetryPolicy
+from .spool import Spool, open_spool, ranged, read_range
 
 __all__ = ["open_storage"]
 
@@ -54,6 +55,16 @@ class _Explained:
 
     def read(self, path: str) -> bytes:
         return self._call("read", path, self.inner.read)
+
+    def read_range(self, path: str, start: int, end: int) -> bytes:
+        return self._call("read", path, lambda p: read_range(self.inner, p, start, end))
+
+    @property
+    def ranged(self) -> bool:
+        return ranged(self.inner)
+
+    def spool(self, hint: str) -> Spool:
+        return self._call("write", hint, lambda p: open_spool(self.inner, p))
 
     def list(self, prefix: str) -> dict[str, int]:
         return self._call("list", prefix, self.inner.list)

@@ -11,6 +11,7 @@ from typing import Any
 
 from .protocol import Data, InspectableStorage, Storage
 from .retry import RetryingStorage
+from .spool import Spool, open_spool, ranged, read_range
 
 __all__ = ["Prefixed", "substorage"]
 
@@ -41,6 +42,16 @@ class Prefixed:
 
     def read(self, path: str) -> bytes:
         return self.inner.read(self.prefix + path)
+
+    def read_range(self, path: str, start: int, end: int) -> bytes:
+        return read_range(self.inner, self.prefix + path, start, end)
+
+    @property
+    def ranged(self) -> bool:
+        return ranged(self.inner)
+
+    def spool(self, hint: str) -> Spool:
+        return open_spool(self.inner, self.prefix + hint)
 
     def list(self, prefix: str) -> dict[str, int]:
         return self._strip(self.inner.list(self.prefix + prefix))

@@ -6,6 +6,11 @@ Garbage collection can do more where a store can say more (when each object was 
 temporary files, multipart uploads that never completed); a store says so by implementing
 :class:`InspectableStorage`, and ``isinstance(storage, InspectableStorage)`` is the one test.
 Paths are relative to the run root and use ``/``.
+
+Two more capabilities are optional and found with ``getattr``, through the helpers of
+:mod:`diffckpt.storage.spool`: ``spool(hint)`` gives a local file to append an object's bytes to
+before the object is written (:func:`~diffckpt.storage.open_spool`), and ``read_range(path, start,
+end)`` with ``ranged = True`` reads part of an object (:func:`~diffckpt.storage.read_range`).
 """
 
 from __future__ import annotations
@@ -13,15 +18,30 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-__all__ = ["Buffer", "Data", "InspectableStorage", "Storage", "as_bytes"]
+from .spool import Spool  # a leaf: spool.py imports nothing of this module at run time
+
+__all__ = ["Buffer", "Data", "InspectableStorage", "Storage", "as_bytes", "data_size"]
 
 Buffer = bytes | memoryview
-Data = bytes | Sequence[Buffer]
+Data = bytes | Sequence[Buffer] | Spool
 
 
 def as_bytes(data: Data) -> bytes:
-    """``data`` as one bytes object (joins a list of buffers)."""
-    return data if isinstance(data, bytes) else b"".join(data)
+    """``data`` as one bytes object (joins a list of buffers, reads a spool back)."""
+    if isinstance(data, bytes):
+        return data
+    if isinstance(data, Spool):
+        return data.read_at(0, data.size)  # one read into one buffer, not chunks joined
+    return b"".join(data)
+
+
+def data_size(data: Data) -> int:
+    """How many bytes ``data`` holds, without joining or reading anything."""
+    if isinstance(data, Spool):
+        return data.size
+    if isinstance(data, (bytes, memoryview)):
+        return memoryview(data).nbytes
+    return sum(memoryview(part).nbytes for part in data)
 
 
 @runtime_checkable
@@ -31,8 +51,10 @@ class Storage(Protocol):
     url: str
 
     def write(self, path: str, data: Data) -> None:
-        """Write ``data`` (bytes, or buffers to concatenate) so that readers see the whole object
-        or nothing."""
+        """Write ``data`` (bytes, buffers to concatenate, or a :class:`Spool`'s content) so that
+        readers see the whole object or nothing. A spool given is the caller's to discard
+        afterwards; it must stay readable until the write returned (iterating it yields its
+        content in chunks)."""
 
     def create(self, path: str, data: bytes) -> bool:
         """Write ``data`` only if ``path`` does not exist, atomically; return whether it did not

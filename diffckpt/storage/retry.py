@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ..errors import DiffCkptError, StorageUnavailableError
 from ..policyoptions import RetryPolicy
 from .protocol import InspectableStorage
+from .spool import Spool, open_spool, ranged, read_range
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -142,6 +143,18 @@ class RetryingStorage:
 
     def read(self, path: str) -> bytes:
         return self._call(f"read {self.url}/{path}", lambda: self.inner.read(path))
+
+    def read_range(self, path: str, start: int, end: int) -> bytes:
+        return self._call(f"read {self.url}/{path}", lambda: read_range(self.inner, path, start, end))
+
+    @property
+    def ranged(self) -> bool:
+        return ranged(self.inner)
+
+    def spool(self, hint: str) -> Spool:
+        """The wrapped storage's spool. Not retried: it is a local file, whose failures (a full
+        disk, permissions) do not go away by themselves. A write of it is retried from its start."""
+        return open_spool(self.inner, hint)
 
     def list(self, prefix: str) -> dict[str, int]:
         return self._call(f"list {self.url}/{prefix}", lambda: self.inner.list(prefix))

@@ -241,6 +241,13 @@ class AutoTuner:
     _grid: tuple[list[Settings], tuple[np.ndarray, np.ndarray, np.ndarray]] | None = field(
         default=None, init=False, repr=False, compare=False)
 
+    def fix_base_every(self, base_every_n_steps: int | None) -> None:
+        """Hold ``base_every_n_steps`` fixed at a value decided elsewhere (``"bytes"``: the
+        interval sized from the bytes recorded; see ``tuning/online.py``)."""
+        if base_every_n_steps != self.base_every_n_steps:
+            self.base_every_n_steps = base_every_n_steps
+            self._grid = None
+
     def candidates(self) -> list[Settings]:
         n_fixed, b_fixed, m_fixed = (v != AUTO for v in (self.every_n_steps, self.write_batch,
                                                           self.base_every_n_steps))

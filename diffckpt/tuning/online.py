@@ -5,11 +5,19 @@
 holds the fixed settings. Otherwise it feeds a :class:`~diffckpt.tuning.meter.Meter` from the
 engine's timings, asks the pure :class:`~diffckpt.tuning.model.AutoTuner` at review steps, applies and
 records what it decides. The engine calls it; adapters reach it through the engine.
+
+``base_every_n_steps="bytes"`` is sized here too, as a review: right after each base (at the first
+commit once a step has been recorded since it), the process that records turns the bytes it
+handed to the writer into a step interval (:func:`~diffckpt.policies.bytes_interval`), and every
+other rank adopts it with the tuner's settings. A step count fixed at agreed steps, not a running
+byte total, because only the recording process knows the bytes, and every rank must write bases
+(and gather their states) at the same steps.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -18,22 +26,20 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..errors import StorageError
-from ..options import (
-    DEFAULT_BASE_EVERY_N_STEPS,
-    DEFAULT_EVERY_N_STEPS,
-    DEFAULT_WRITE_BATCH,
-    CheckpointOptions,
-)
+from ..options import BY_BYTES, DEFAULT_EVERY_N_STEPS, DEFAULT_WRITE_BATCH, CheckpointOptions
+from ..policies import bytes_interval
 from ..runstore import tuning_path
 from ..writer import BackgroundWriter
 from .meter import Meter
 from .model import AUTO, AutoTuner, Decision, Measurements, Settings, describe
 from .probe import probe_storage
 
-__all__ = ["REVIEW_BUDGET", "WARMUP_STEPS", "OnlineTuning"]
+__all__ = ["AUTO_START_BASE_EVERY_N_STEPS", "REVIEW_BUDGET", "WARMUP_STEPS", "OnlineTuning"]
 
 log = logging.getLogger("diffckpt")
 WARMUP_STEPS = 10  # the tuner's first review comes this many steps into a session
+# base_every_n_steps="auto" until the first review: far enough that no base comes before it.
+AUTO_START_BASE_EVERY_N_STEPS = 500
 REVIEW_BUDGET = 0.001  # the tuner's reviews may take at most this share of training time
 
 
@@ -42,13 +48,19 @@ class OnlineTuning:
 
     def __init__(self, options: CheckpointOptions) -> None:
         o = self.options = options
+        b = o.base_every_n_steps
+        # base_every_n_steps="bytes": the diff bytes between bases, as a multiple of a base's size.
+        self.base_ratio = o.base_every_diff_bytes_ratio if b == BY_BYTES else None
+        base = b if isinstance(b, int) else AUTO_START_BASE_EVERY_N_STEPS if b == AUTO else None
         self.settings = Settings(
             # "auto" starts from the defaults until the first review decides
             every_n_steps=DEFAULT_EVERY_N_STEPS if o.every_n_steps == AUTO else int(o.every_n_steps),
             write_batch=DEFAULT_WRITE_BATCH if o.write_batch == AUTO else int(o.write_batch),
-            base_every_n_steps=DEFAULT_BASE_EVERY_N_STEPS if o.base_every_n_steps == AUTO
-            else o.base_every_n_steps)  # type: ignore[arg-type]
-        self.tuner = AutoTuner(o.tuning, o.every_n_steps, o.write_batch, o.base_every_n_steps) if o.auto else None
+            # "bytes": no periodic base until the interval is sized (see size_bases)
+            base_every_n_steps=base)
+        # A byte-sized interval is a fixed knob to the tuner, at the value sized last.
+        fixed_base = base if b == BY_BYTES else b
+        self.tuner = AutoTuner(o.tuning, o.every_n_steps, o.write_batch, fixed_base) if o.auto else None
         self.meter: Meter | None = None
         self.decisions: list[dict[str, Any]] = []  # the changes of the current session
         self.last_review: tuple[Decision, Measurements] | None = None
@@ -61,6 +73,11 @@ class OnlineTuning:
         self._mark: float | None = None  # end of the previous checkpoint call on the training thread
         self._state_s = 0.0  # adapter time spent building state since the previous record
         self._aside_s = 0.0  # other checkpoint work since the previous record (reviews)
+        # The step clock every rank keeps alike (the newest committed step and base), and what
+        # the recording process handed to its writer this session: base_every_n_steps="bytes".
+        self._last_step = self._base_step = 0
+        self._sized_for: int | None = None  # the base whose interval was sized
+        self._recorded_bytes = self._recorded_steps = self._newest_base_bytes = 0
 
     # ------------------------------------------------------------------ session
     def start(self, step: int, writer: BackgroundWriter, base_bytes: Callable[[], int]) -> None:
@@ -89,11 +106,62 @@ class OnlineTuning:
         """Keep the review clock from a session that starts at ``step`` (every DDP rank)."""
         self._session_start = step
         self._next_review = step + WARMUP_STEPS
+        self._last_step = self._base_step = step
+        self._sized_for = None
+        self._recorded_bytes = self._recorded_steps = self._newest_base_bytes = 0
+        if self.base_ratio is not None:  # sized again from this session's records
+            self._fix_base(None)
+
+    # ------------------------------------------------------- the step clock, bytes
+    def stepped(self, step: int, nbytes: int = 0) -> None:
+        """``step`` was committed: recorded here with ``nbytes`` handed to the writer, or (0)
+        followed by a process that does not record."""
+        self._recorded_bytes += nbytes
+        self._recorded_steps += step - self._last_step
+        self._last_step = step
+
+    def based(self, step: int, nbytes: int = 0) -> None:
+        """A base was written at ``step`` (every rank; ``nbytes``: its bytes, where recorded)."""
+        self._base_step = step
+        if nbytes:
+            self._newest_base_bytes = nbytes
+
+    @property
+    def sizing_due(self) -> bool:
+        """Whether ``base_every_n_steps="bytes"`` is to be sized now: a step has been recorded
+        since the newest base, and that base's interval is not sized yet. A function of the
+        steps committed and the bases written, so every rank agrees."""
+        return (self.base_ratio is not None and self._sized_for != self._base_step
+                and self._last_step > self._base_step)
+
+    def size_bases(self) -> None:
+        """Size the interval to the next base from what this process recorded, if due: the steps
+        whose records, at this session's bytes per step so far, add up to ``ratio`` times a base
+        (the larger of the newest base and what a base would hold now: a fresh run's starting
+        base has no optimizer state yet). Only a recording process sizes; the others adopt it."""
+        if not self.sizing_due or self._writer is None or self.base_ratio is None:
+            return
+        self._sized_for = self._base_step
+        base = max(self._newest_base_bytes, self._base_bytes() if self._base_bytes is not None else 0)
+        per_step = self._recorded_bytes / max(self._recorded_steps, 1)
+        interval = bytes_interval(self.base_ratio, base, per_step)
+        if interval != self.settings.base_every_n_steps:
+            log.debug("diffckpt: a base every %s steps (%.3g bytes recorded per step, bases of %d bytes, "
+                      "ratio %g)", interval, per_step, base, self.base_ratio)
+        self._fix_base(interval)
+
+    def _fix_base(self, interval: int | None) -> None:
+        self.settings = dataclasses.replace(self.settings, base_every_n_steps=interval)
+        if self.tuner is not None:
+            self.tuner.fix_base_every(interval)
 
     # ------------------------------------------------------------------ reviews
     def review_due(self, step: int) -> bool:
-        """Whether the tuner reviews at ``step``: a function of the step and of what rank 0 sent,
-        so every DDP rank agrees."""
+        """Whether the tuner reviews at ``step``, or a byte-sized base interval is sized: a
+        function of the step, the bases written and what rank 0 sent, so every rank agrees."""
+        return self._tuner_due(step) or self.sizing_due
+
+    def _tuner_due(self, step: int) -> bool:
         return self.tuner is not None and step >= self._next_review
 
     @property
@@ -107,14 +175,16 @@ class OnlineTuning:
         return self.meter.snapshot(step - self._session_start, base_bytes) if self.meter is not None else None
 
     def review(self, step: int, measured: list[Measurements | None] | None = None) -> Decision | None:
-        """Let the tuner look at the measurements and apply what it decides (rank 0).
+        """Size a byte-sized base interval if due, then, if due, let the tuner look at the
+        measurements and apply what it decides (rank 0).
 
         ``measured``: every writer's :meth:`measure` (sharded training), reviewed as the slowest
-        of them; by default this process's own. Returns the decision, ``None`` while too little
-        is measured (it looks again soon). A change is logged and recorded in the session's
-        ``tuning.json``.
+        of them; by default this process's own. Returns the tuner's decision, ``None`` without one
+        or while too little is measured (it looks again soon). A change is logged and recorded in
+        the session's ``tuning.json``.
         """
-        if self.tuner is None:
+        self.size_bases()
+        if not self._tuner_due(step):
             return None
         started = time.perf_counter()
         self._next_review = step + self.options.tuning.retune_every_n_steps
@@ -158,9 +228,14 @@ class OnlineTuning:
         return decision
 
     def adopt(self, settings: Settings, next_review: int) -> None:
-        """Take the settings rank 0's tuner chose and its next review step (other DDP ranks)."""
+        """Take the settings rank 0 chose (its tuner's, its byte-sized base interval) and its next
+        review step (other ranks)."""
         self._next_review = next_review
+        if self.sizing_due:  # rank 0 sized it in this review
+            self._sized_for = self._base_step
         self.apply(settings)
+        if self.tuner is not None and self.base_ratio is not None:
+            self.tuner.fix_base_every(settings.base_every_n_steps)
 
     def apply(self, settings: Settings) -> None:
         self.settings = settings

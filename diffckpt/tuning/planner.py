@@ -24,7 +24,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from ..options import DEFAULT_BASE_EVERY_N_STEPS, CheckpointOptions
+from ..options import BY_BYTES, DEFAULT_BASE_EVERY_DIFF_BYTES_RATIO, CheckpointOptions
+from ..policies import bytes_interval
 from ..storage import RetryPolicy
 from ..units import DAY, format_bytes, format_duration, format_percent, format_rate
 from .host import HostCosts, measure_host
@@ -43,7 +44,7 @@ from .sizing import ModelSpec
 __all__ = ["FIXED", "FIXED_BASE_EVERY", "NOTE", "STATE_S", "advise", "build_measurements", "snippet"]
 
 STATE_S = 1e-3  # loop state, schedulers and RNG of a restorable point: about a millisecond
-FIXED_BASE_EVERY = DEFAULT_BASE_EVERY_N_STEPS  # the comparison's fixed rows use the default
+FIXED_BASE_EVERY = 500  # the comparison's fixed rows: a round step count, the same for every model
 FIXED = [(n, b, FIXED_BASE_EVERY) for n in (1, 10, 100) for b in (1, 16)]  # the comparison's rows
 NOTE = ('planning estimate: with every_n_steps="auto" (and the other knobs on "auto"), training '
         "re-measures all of this online and re-tunes as it goes")
@@ -118,7 +119,11 @@ def advise(url: str, model: ModelSpec, options: TuningOptions, *, storage_option
         host = dataclasses.replace(host, copy_bps=copy_bps)
         copy_source = "given (--copy-bandwidth)"
     m, how = build_measurements(model, probed["latency_s"], probed["bandwidth_bps"], host, replay_step_s)
-    tuner = AutoTuner(options, **(fixed or {}))
+    fixed = dict(fixed or {})
+    if fixed.get("base_every_n_steps") == BY_BYTES:  # the interval training's "bytes" sizes for this model
+        fixed["base_every_n_steps"] = bytes_interval(DEFAULT_BASE_EVERY_DIFF_BYTES_RATIO, model.base_bytes,
+                                                     model.record_bytes)
+    tuner = AutoTuner(options, **fixed)
     decision = tuner.decide(m)
     best = decision.estimate
     comparison = [_estimate(expected_loss(Settings(n, b, base), m, options), options.mtbf_s)
@@ -131,7 +136,7 @@ def advise(url: str, model: ModelSpec, options: TuningOptions, *, storage_option
                   "record_bytes": model.record_bytes, "diff_bytes": m.diff_bytes,
                   "memory_bytes": model.memory_bytes},
         "options": {"mtbf_s": options.mtbf_s, "max_overhead": options.max_overhead, "rto_s": options.rto_s,
-                    "fixed": {k: v for k, v in (fixed or {}).items() if v != "auto"}},
+                    "fixed": {k: v for k, v in fixed.items() if v != "auto"}},
         "estimates": {
             "device": host.device, "copy_bandwidth_bps": host.copy_bps, "copy_bandwidth_source": copy_source,
             "hash_bandwidth_bps": host.hash_bps, "zstd_bandwidth_bps": host.zstd_bps,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 import subprocess
 import sys
 from collections.abc import Callable
@@ -18,6 +17,7 @@ from typing import Any
 import pytest
 import safetensors.torch
 import torch
+from engine_runs import record_span
 
 from diffckpt import CheckpointEngine, CheckpointOptions
 from diffckpt.cli import main
@@ -41,8 +41,9 @@ def build_run(root: Path, state_fn: Callable[[int], Any] = lambda step: {"x": st
     m = model or torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16),
                                      torch.nn.Linear(16, 1))
     o = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    opts = CheckpointOptions(write_batch=3, base_every_n_steps=5, fingerprint_every_n_steps=2,
-                             **options)
+    # retention=None: every recorded step stays, for the commands to list, verify and export.
+    opts = CheckpointOptions(**{"write_batch": 3, "base_every_n_steps": 5, "fingerprint_every_n_steps": 2,
+                                "retention": None, **options})
     eng = CheckpointEngine(str(root), opts)
     eng.start(m, [o], 0)
     eng.write_base(0, m.state_dict(), [o.state_dict()], state_fn(0))
@@ -102,10 +103,10 @@ segments
   10..13       g1   3      7.6 KiB  diffs/000000000010-000000000013.g000001.seg
 
 totals
-  on storage  48.0 KiB (49131 B)
+  on storage  48.0 KiB (49193 B)
   bases       13.8 KiB (14113 B)
-  diffs       33.0 KiB (33820 B) over 13 steps, 2.5 KiB per step
-  other       1.2 KiB (1198 B)
+  diffs       33.1 KiB (33845 B) over 13 steps, 2.5 KiB per step
+  other       1.2 KiB (1235 B)
 
 resume any durable step N with ckpt_path="<TMP>/run/step=N"
 """
@@ -188,10 +189,8 @@ def test_verify_flipped_byte_in_segment(run: Run, capsys: Cap) -> None:
     root, _ = run
     name = "diffs/000000000003-000000000005.g000001.seg"
     data = bytearray((root / name).read_bytes())
-    (hlen,) = struct.unpack_from("<I", data, 8)
-    first = json.loads(data[12 : 12 + hlen])["records"][0]
-    assert first["step"] == 4
-    data[12 + hlen + first["length"] // 2] ^= 0x01  # inside the record of step 4
+    offset, length = record_span(bytes(data), 4)  # the segment's first record
+    data[offset + length // 2] ^= 0x01  # inside the record of step 4
     (root / name).write_bytes(bytes(data))
     rc, out, _ = cli(capsys, "verify", root)
     assert rc == 1

@@ -142,6 +142,15 @@ def test_fixed_knobs_are_kept(tmp_path: Path, capsys: Cap) -> None:
     assert d["options"]["fixed"] == {"every_n_steps": 1, "base_every_n_steps": None}
 
 
+def test_bases_sized_by_bytes_as_training_sizes_them(tmp_path: Path, capsys: Cap) -> None:
+    # 100k parameters, AdamW: a 1.2 MB base, 400 kB of dense gradients per step: 4 x 3 = 12 steps.
+    d = tune_json(capsys, str(tmp_path), "--base-every-n-steps", "bytes")
+    assert d["recommended"]["base_every_n_steps"] == 12
+    assert d["options"]["fixed"] == {"base_every_n_steps": 12}
+    rc, _, err = cli(capsys, "tune", tmp_path, *MODEL, "--base-every-n-steps", "weekly")
+    assert rc == 2 and "not a positive integer, 'none', 'auto' or 'bytes'" in err
+
+
 def test_module_entry_point(tmp_path: Path) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "diffckpt", "tune", str(tmp_path), *MODEL, *SMALL, "--json"],

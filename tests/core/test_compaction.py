@@ -161,3 +161,27 @@ def test_bad_input_is_named_and_writes_nothing(run: tuple[Path, dict[int, Any]],
     for command in ("gc", "compact"):
         rc, err = _cli(command, "s3://bucket/run", *options)
         assert rc == 1 and "endpoint is reachable" in err and "--retry-budget sets" in err, err
+
+
+def test_background_compaction_replays_on_the_parameters_device_by_default(tmp_path: Path) -> None:
+    """``compact_device=None`` (the default) is the device the parameters are on when the session
+    starts (a CUDA run compacts on CUDA, where replay matches training's fingerprints); a device
+    given is kept. A module on the ``meta`` device stands in for an accelerator here."""
+    from engine_runs import make
+
+    from diffckpt import CheckpointOptions
+
+    def device(root: str, module: torch.nn.Module, **options: Any) -> str:
+        engine = CheckpointEngine(str(tmp_path / root), CheckpointOptions(compact_every_n_steps=4, **options))
+        engine.start(module, [torch.optim.SGD(module.parameters(), lr=0.1)], 0)
+        try:
+            assert engine.recorder.maintenance is not None
+            return engine.recorder.maintenance.device
+        finally:
+            engine.close()
+
+    assert CheckpointOptions().compact_device is None
+    assert device("cpu", make()[0]) == "cpu"
+    meta = torch.nn.Linear(4, 4, device="meta")
+    assert device("meta", meta) == "meta"
+    assert device("given", meta, compact_device="cpu") == "cpu"

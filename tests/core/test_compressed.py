@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from engine_runs import assert_state, snapshot
+from engine_runs import assert_state, record_span, snapshot
 from helpers import assert_bitwise_equal
 
 from diffckpt import (
@@ -30,7 +30,8 @@ CODECS = {
     "powersgd-warm": lambda: PowerSGD(rank=2, error_feedback=False),
     "bf16": lambda: LowPrecision("bf16"),
 }
-OPTIONS = {"write_batch": 3, "base_every_n_steps": 5, "fingerprint_every_n_steps": 2}
+# retention=None: every step is restored and checked, which the default retention would trim.
+OPTIONS = {"write_batch": 3, "base_every_n_steps": 5, "fingerprint_every_n_steps": 2, "retention": None}
 
 
 def make() -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
@@ -178,7 +179,8 @@ def test_damaged_compressed_segment_falls_back_and_a_different_model_is_refused(
     run.train(8)
     last = max((tmp_path / "diffs").iterdir())  # steps 7..8
     data = bytearray(last.read_bytes())
-    data[len(data) // 2] ^= 0xFF
+    offset, length = record_span(bytes(data), 7)
+    data[offset + length // 2] ^= 0xFF  # inside step 7's payloads
     last.write_bytes(bytes(data))
     module, optimizers = make()
     with pytest.warns(UserWarning, match=last.name):

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from engine_runs import LoopState
+from helpers import finish_process
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from diffckpt.collective import LocalCollective, TorchCollective
@@ -95,7 +96,7 @@ def worker(rank: int, port: int, root: str, out: str, bucket_view: bool) -> None
     engine.end()
     torch.save({"reference": reference, "resumed": everything(module, opt, sched)}, f"{out}.rank{rank}.pt")
     dist.barrier()
-    dist.destroy_process_group()
+    finish_process()  # no interpreter finalization, which aborts a gloo process now and then
 
 
 def _free_port() -> int:

@@ -4,8 +4,9 @@ The files under ``tests/golden/`` were written by ``tests/golden/make_golden.py`
 check that the current code (a) still writes exactly those bytes, (b) still reads them back to the
 same values, (c) lays them out as ``docs/format.md`` says (checked by an independent reader that
 uses only json/struct/xxhash), (d) reports damage precisely, (e)-(f) round-trips every supported
-type of the tree encoding and refuses the rest. These are the format-2 files; the format-1 ones
-under ``tests/golden/v1/`` are checked by ``test_format_v1.py``.
+type of the tree encoding and refuses the rest. These are the format-3 files; the format-1 and
+format-2 ones under ``tests/golden/v1/`` and ``tests/golden/v2/`` are checked by
+``test_format_v1.py`` and ``test_format_v2.py``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import numpy as np
 import pytest
 import torch
 import xxhash
+from engine_runs import build_segment, segment_entries
 
 from diffckpt import planning
 from diffckpt.checksums import fingerprint
@@ -40,11 +42,15 @@ from diffckpt.format import (
     FORMAT_VERSION,
     SEGMENT_MAGIC,
     BaseName,
+    SegmentEncoder,
     SegmentName,
     decode_commit,
     decode_segment,
     encode_commit,
     encode_segment,
+    index_length,
+    lead_length,
+    parse_index,
 )
 from diffckpt.loading import load_state
 from diffckpt.options import CheckpointOptions
@@ -142,7 +148,7 @@ def test_real_writer_produces_the_golden_run(tmp_path: Path) -> None:
 
 def test_golden_files_are_small() -> None:
     total = sum(p.stat().st_size for p in GOLDEN.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
-    assert total < 75_000  # the format-2 files, the format-1 fixtures under v1/ and the CLI outputs
+    assert total < 100_000  # the format-3 files, the fixtures of formats 1 and 2 and the CLI outputs
 
 
 # =========================================================================================
@@ -169,7 +175,7 @@ def test_zstd_segment_decodes() -> None:
     header, decoded, problem = decode_segment(golden("segment-zstd.seg"))
     assert problem is None and header["compression"] == "zstd"
     assert_same(decoded, records)
-    none_header = json.loads(golden(SEG1)[12 : 12 + struct.unpack_from("<I", golden(SEG1), 8)[0]])
+    none_header, _, _ = decode_segment(golden(SEG1))
     assert [e["raw_length"] for e in header["records"]] == [e["length"] for e in none_header["records"]]
     for e in header["records"]:
         assert e["length"] < e["raw_length"]
@@ -388,22 +394,27 @@ def _decode_by_the_doc(node: Any, tensors: dict[str, torch.Tensor]) -> Any:
     raise AssertionError(f"undocumented tag {tag}")
 
 
-def _read_segment_by_the_doc(data: bytes) -> tuple[dict[str, Any], list[Any]]:
-    """Section 4 (format 2) with struct/json/xxhash only."""
+def _read_segment_by_the_doc(data: bytes) -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
+    """Section 4 (format 3) with struct/json/xxhash only: return (lead, index, records)."""
     assert data[0:8] == bytes.fromhex("44434b5345470001")
-    (h,) = struct.unpack("<I", data[8:12])
-    header_bytes = data[12 : 12 + h]
-    header = json.loads(header_bytes)
-    assert json.dumps(header, separators=(",", ":"), sort_keys=True).encode() == header_bytes
-    assert header["format"] == 2
-    assert xxhash.xxh3_128(data[: 12 + h]).digest() == data[-16:]  # the trailer covers the lead
-    offset = 12 + h
+    (lead_len,) = struct.unpack("<I", data[8:12])
+    lead_bytes = data[12 : 12 + lead_len]
+    lead = json.loads(lead_bytes)
+    assert json.dumps(lead, separators=(",", ":"), sort_keys=True).encode() == lead_bytes
+    assert lead["format"] == 3
+    (index_len,) = struct.unpack("<I", data[-20:-16])
+    index_bytes = data[-20 - index_len : -20]
+    index = json.loads(index_bytes)
+    assert json.dumps(index, separators=(",", ":"), sort_keys=True).encode() == index_bytes
+    # the digest covers the lead, then the index and its length
+    assert xxhash.xxh3_128(data[: 12 + lead_len] + data[-20 - index_len : -16]).digest() == data[-16:]
+    offset = 12 + lead_len
     records = []
-    for entry in header["records"]:
+    for entry in index["records"]:
         assert list(entry) == ["length", "raw_length", "step", "xxh3_128"]
         blob = data[offset : offset + entry["length"]]
         assert xxhash.xxh3_128(blob).hexdigest() == entry["xxh3_128"]
-        if header["compression"] == "none":
+        if lead["compression"] == "none":
             assert entry["raw_length"] == entry["length"]
         else:
             import zstandard
@@ -414,16 +425,20 @@ def _read_segment_by_the_doc(data: bytes) -> tuple[dict[str, Any], list[Any]]:
         assert record["step"] == entry["step"]
         records.append(record)
         offset += entry["length"]
-    assert offset + 16 == len(data), "nothing between the last record and the trailer"
-    return header, records
+    assert offset == len(data) - 20 - index_len, "nothing between the last record and the index"
+    return lead, index, records
 
 
 @pytest.mark.parametrize("rel", [SEG1, SEG2, "segment-zstd.seg"])
 def test_independent_reader_agrees(rel: str) -> None:
-    header, records = _read_segment_by_the_doc(golden(rel))
-    assert list(header) == ["after", "compression", "format", "gen", "last", "records"]
-    _, expected, _ = decode_segment(golden(rel))
+    lead, index, records = _read_segment_by_the_doc(golden(rel))
+    assert list(lead) == ["after", "compression", "format", "gen"] and list(index) == ["last", "records"]
+    header, expected, _ = decode_segment(golden(rel))
+    assert header == {**lead, **index}
     assert_same(records, expected)
+    # and a writer by the doc, given the same lead, blobs and index, writes the same bytes
+    blobs = [golden(rel)[o : o + n] for _, o, n in _blob_offsets(golden(rel))]
+    assert build_segment(lead, blobs, index) == golden(rel)
 
 
 def test_independent_tree_reader_agrees() -> None:
@@ -434,24 +449,26 @@ def test_independent_tree_reader_agrees() -> None:
     assert_same(_decode_by_the_doc(structure, tensors), mg.base_tree())
 
 
-def test_segment_header_bytes_at_documented_offsets() -> None:
+def test_segment_bytes_at_documented_offsets() -> None:
+    """The worked example of docs/format.md section 4, offset by offset."""
     data = golden(SEG1)
     assert data[:8] == SEGMENT_MAGIC == b"DCKSEG\x00\x01"
-    assert data[8:12] == bytes([0xF8, 0x00, 0x00, 0x00])  # H = 248, little-endian
-    prefix = b'{"after":0,"compression":"none","format":2,"gen":1,"last":2,"records":['
-    assert data[12 : 12 + len(prefix)] == prefix
-    assert data[0x103:0x104] == b"}"  # header ends at 12 + H - 1
-    assert data[0x104:0x10C] == struct.pack("<Q", 920)  # first blob: its safetensors length
-    assert data[0x10C:0x11E] == b'{"__metadata__":{"'
-    assert data[0x4D4:0x4DC] == struct.pack("<Q", struct.unpack_from("<Q", data, 0x4D4)[0])
-    assert read_metadata(data[0x4D4 : 0x4D4 + 1088])["diffckpt.tree"].startswith('{"dict":[["step",2]')
-    assert len(data) == 2340 and data[0x914:] == xxhash.xxh3_128(data[:0x104]).digest()
+    assert data[8:12] == bytes([0x33, 0x00, 0x00, 0x00])  # L = 51, little-endian
+    assert data[12:0x3F] == b'{"after":0,"compression":"none","format":3,"gen":1}'  # 12 .. 12 + L - 1
+    assert data[0x3F:0x47] == struct.pack("<Q", 920)  # first blob: its safetensors length
+    assert data[0x47:0x59] == b'{"__metadata__":{"'
+    assert read_metadata(data[0x40F : 0x40F + 1088])["diffckpt.tree"].startswith('{"dict":[["step",2]')
+    assert data[0x84F : 0x84F + 21] == b'{"last":2,"records":[' and data[0x914:0x915] == b"}"
+    assert data[0x915:0x919] == struct.pack("<I", 198)  # I = 0x915 - 0x84F
+    assert len(data) == 0x929 == 2345 == 12 + 51 + 976 + 1088 + 198 + 4 + 16
+    assert data[0x919:] == xxhash.xxh3_128(data[:0x3F] + data[0x84F:0x919]).digest()
 
 
 def test_doc_hex_dump_matches_golden() -> None:
     text = DOC.read_text()
     blocks = re.findall(r"<!-- golden-hexdump: (\S+) -->\n```text\n(.*?)```", text, re.DOTALL)
     assert blocks, "docs/format.md lost its golden hex dump"
+    shown: dict[str, set[int]] = {}
     for rel, block in blocks:
         data = golden(rel)
         for line in block.strip().splitlines():
@@ -460,15 +477,11 @@ def test_doc_hex_dump_matches_golden() -> None:
             offset = int(m[1], 16)
             hexbytes = bytes.fromhex(m[2].replace(" ", ""))
             assert data[offset : offset + len(hexbytes)] == hexbytes, f"doc hex dump line {m[1]}"
-    # the trailer dump (second block, unmarked) is also right
-    trailer = re.search(r"```text\n(00000910 .*?)```", text, re.DOTALL)
-    assert trailer is not None
+            shown.setdefault(rel, set()).update(range(offset, offset + len(hexbytes)))
+    # the example shows both ends of the segment: the lead, and the index, its length and digest
     data = golden(SEG1)
-    for line in trailer[1].strip().splitlines():
-        offset, rest = line.split("  ", 1)
-        hexpart = rest.split("|")[0]
-        assert data[int(offset, 16) : int(offset, 16) + len(bytes.fromhex(hexpart.replace(" ", "")))] == \
-            bytes.fromhex(hexpart.replace(" ", ""))
+    end = set(range(len(data) - index_length(data, SEG1), len(data)))
+    assert set(range(lead_length(data, SEG1))) | end <= shown[SEG1], "the doc's dumps lost an end"
 
 
 def test_commit_bytes_are_as_documented() -> None:
@@ -550,13 +563,8 @@ def _flip(data: bytes, offset: int) -> bytes:
 
 
 def _blob_offsets(data: bytes) -> list[tuple[int, int, int]]:
-    (h,) = struct.unpack_from("<I", data, 8)
-    offset = 12 + h
-    out = []
-    for e in json.loads(data[12 : 12 + h])["records"]:
-        out.append((e["step"], offset, e["length"]))
-        offset += e["length"]
-    return out
+    """``(step, offset, length)`` of each record blob of an intact segment of any format."""
+    return [(e["step"], offset, e["length"]) for e, offset in segment_entries(data)]
 
 
 @pytest.mark.parametrize("rel", [SEG1, "segment-zstd.seg"])
@@ -572,28 +580,70 @@ def test_flipped_byte_keeps_good_records_and_names_the_bad_step(rel: str) -> Non
     assert records == [] and problem is not None and f"step {step1}" in problem
 
 
-def test_flipped_trailer_keeps_all_records_but_reports() -> None:
+def test_a_flipped_digest_keeps_all_records_but_reports() -> None:
     data = golden(SEG1)
-    _, records, problem = decode_segment(_flip(data, len(data) - 1), "seg")
-    assert len(records) == 2 and problem is not None and "checksum does not match" in problem
+    for where in range(len(data) - 16, len(data)):
+        _, records, problem = decode_segment(_flip(data, where), "seg")
+        assert len(records) == 2 and problem is not None and "checksum does not match" in problem
 
 
-def test_truncated_segment() -> None:
+def test_a_damaged_lead_or_index_makes_the_segment_unusable() -> None:
+    """Every byte of the lead and of the index (with its length) is needed to find the records:
+    damage there is an error for the whole segment, never a guess (its digest is not needed to
+    tell: a flipped byte there is invalid UTF-8 JSON or a length that points elsewhere)."""
     data = golden(SEG1)
-    (_, _, _), (step2, off2, _) = _blob_offsets(data)
-    for cut in (len(data) - 1, len(data) - 16):  # into the trailer: records intact
-        _, records, problem = decode_segment(data[:cut], "seg")
-        assert len(records) == 2 and problem is not None and "checksum" in problem
-    for cut in (len(data) - 17, off2 + 10, off2):  # into the second record
-        _, records, problem = decode_segment(data[:cut], "seg")
-        assert len(records) == 1 and problem is not None and f"step {step2}" in problem
-    for cut in (0, 5, 11, 12, 40, off2 - 400):  # into the magic/header (or header intact, blob 1 cut)
-        if cut >= 12 + struct.unpack_from("<I", data, 8)[0]:
-            _, records, problem = decode_segment(data[:cut], "seg")
-            assert records == [] and problem is not None and "step 1" in problem
-        else:
-            with pytest.raises(CorruptRecordError):
-                decode_segment(data[:cut], "seg")
+    lead, end = lead_length(data, SEG1), index_length(data, SEG1)
+    for where in range(8, lead):
+        with pytest.raises(CorruptRecordError, match="seg: segment header is damaged or truncated"):
+            decode_segment(_flip(data, where), "seg")
+    for where in range(len(data) - end, len(data) - 16):
+        with pytest.raises(CorruptRecordError, match="seg: segment index is damaged or truncated"):
+            decode_segment(_flip(data, where), "seg")
+
+
+def test_a_truncated_segment_has_lost_its_index() -> None:
+    """The index is at the end: a segment cut anywhere (or with bytes appended) has none, so it
+    is unusable as a whole and restore falls back to the step before it. Formats 1 and 2 kept
+    the records before the cut (``test_format_v2.py``)."""
+    data = golden(SEG1)
+    lead = lead_length(data, SEG1)
+    for cut in range(len(data)):
+        expected = ("not a diffckpt segment" if cut < 12 else "segment header is damaged or truncated"
+                    if cut < lead else "segment index is damaged or truncated")
+        with pytest.raises(CorruptRecordError, match=expected):
+            decode_segment(data[:cut], "seg")
+    for extra in (b"\x00", b"\x00" * 16, data[-20:]):
+        with pytest.raises(CorruptRecordError, match="segment index is damaged or truncated"):
+            decode_segment(data + extra, "seg")
+
+
+@pytest.mark.parametrize("rel", [SEG1, "segment-zstd.seg"])
+def test_a_segment_is_read_by_ranges(rel: str) -> None:
+    """Section 4's ranged reading: the lead (its length from the first 12 bytes), the end (its
+    length from the last 20), then each record at its span; nothing else is read."""
+    data = golden(rel)
+    head = data[: lead_length(data[:12], rel)]
+    tail = data[len(data) - index_length(data[-20:], rel) :]
+    index = parse_index(head, tail, len(data), rel)
+    header, expected, _ = decode_segment(data, rel)
+    assert index.problem is None and index.header == header
+    assert [(e["step"], o, e["length"]) for e, o in index.spans] == _blob_offsets(data)
+    assert_same([index.decode(e, data[o : o + e["length"]]) for e, o in index.spans], expected)
+    entry, offset = index.spans[1]
+    with pytest.raises(CorruptRecordError, match=f"{rel}: record for step 2 fails its checksum"):
+        index.decode(entry, _flip(data[offset : offset + entry["length"]], 7))
+
+
+def test_the_encoder_streams_the_golden_segment_record_by_record() -> None:
+    """The writer's way: the lead comes with the first record's bytes, each record's bytes as it
+    arrives (the record is not kept), the index last; together they are the golden bytes."""
+    _, header, records = mg.segment_inputs()[0]
+    data = golden(SEG1)
+    encoder = SegmentEncoder({"after": header["after"], "gen": header["gen"]}, "none", 1)
+    first = encoder.add(records[0])
+    assert bytes(first[0]) == data[: lead_length(data, SEG1)]
+    pieces = [*first, *encoder.add(records[1]), encoder.tail(last=header["last"])]
+    assert b"".join(bytes(p) for p in pieces) == data
 
 
 def test_bad_magic_and_bad_header() -> None:
@@ -605,9 +655,9 @@ def test_bad_magic_and_bad_header() -> None:
         decode_segment(data[:12] + b"[" + data[13:], "seg")
     with pytest.raises(CorruptRecordError, match="damaged or truncated"):
         decode_segment(data[:8] + struct.pack("<I", 10**6) + data[12:], "seg")
-    newer = data.replace(b'"format":2', b'"format":3', 1)
-    with pytest.raises(CorruptRecordError, match="seg: segment format 3 is not one this diffckpt reads "
-                       r"\(formats 1 and 2\); .*upgrade diffckpt"):
+    newer = data.replace(b'"format":3', b'"format":4', 1)
+    with pytest.raises(CorruptRecordError, match="seg: segment format 4 is not one this diffckpt reads "
+                       r"\(formats 1, 2 and 3\); .*upgrade diffckpt"):
         decode_segment(newer, "seg")
     with pytest.raises(ValueError):  # CorruptRecordError is also a ValueError
         decode_segment(b"garbage" * 10)
@@ -669,14 +719,19 @@ def test_malformed_nodes_raise_corrupt_record_error(node: Any) -> None:
 
 def test_unknown_compression_is_refused() -> None:
     _, header, records = mg.segment_inputs()[0]
-    data = encode_segment(header, records, "lz4", 1)
-    with pytest.raises(CorruptRecordError):
+    with pytest.raises(ValueError, match="unknown compression 'lz4'"):
+        encode_segment(header, records, "lz4", 1)
+    blobs = [golden(SEG1)[o : o + n] for _, o, n in _blob_offsets(golden(SEG1))]
+    index = decode_segment(golden(SEG1))[0]
+    data = build_segment({"after": 0, "compression": "lz4", "format": 3, "gen": 1}, blobs,
+                         {"last": 2, "records": index["records"]})
+    with pytest.raises(CorruptRecordError, match="seg: unknown compression 'lz4'"):
         decode_segment(data, "seg")
 
 
 def test_damaged_commit_and_base(tmp_path: Path) -> None:
     data = golden(BASE_COMMIT)
-    for bad in (data[:-1], b"", data.replace(b'"format": 2', b'"format": 3'),
+    for bad in (data[:-1], b"", data.replace(b'"format": 3', b'"format": 4'),
                 data.replace(b'"files"', b'"filez"'), b"[]"):
         with pytest.raises(CorruptRecordError):
             decode_commit(bad, "COMMIT")

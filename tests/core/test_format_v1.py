@@ -1,8 +1,8 @@
 """Format 1 (SHA-256) stays readable: the read-only fixtures under ``tests/golden/v1/`` (written by
 the format-1 diffckpt, never regenerated) decode, verify, replay bitwise and show damage as
-before; a run root that mixes format-1 and format-2 sessions restores, verifies, compacts and is
-collected; a format this diffckpt does not know is refused with a message naming it.
-``docs/format.md`` section 13 describes format 1.
+before; a run root that mixes format-1 sessions and sessions of the current format restores,
+verifies, compacts and is collected; a format this diffckpt does not know is refused with a
+message naming it. ``docs/format.md`` section 13 describes format 1.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from test_format import _blob_offsets, _flip, assert_same, mg
 from diffckpt import CheckpointEngine, CheckpointOptions, RetentionPolicy
 from diffckpt.checksums import fingerprint_matches
 from diffckpt.errors import CorruptRecordError
-from diffckpt.format import SEGMENT_MAGIC, BaseName, decode_commit, decode_segment
+from diffckpt.format import FORMAT_VERSION, SEGMENT_MAGIC, BaseName, decode_commit, decode_segment
 from diffckpt.lifecycle.compaction import compact
 from diffckpt.lifecycle.retention import collect_garbage
 from diffckpt.loading import load_state
@@ -55,7 +55,7 @@ def _sha256_fingerprint(tensors: list[torch.Tensor]) -> str:
 
 def _v1_records() -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
     """``(header, records)`` of the two golden segments as format 1 stored them: the records of
-    format 2 with SHA-256 fingerprints."""
+    formats 2 and 3 with SHA-256 fingerprints."""
     sim = mg.simulate()
     out = []
     for _, header, records in mg.segment_inputs():
@@ -104,7 +104,7 @@ def test_a_format_1_writer_by_the_doc_gives_the_fixture_bytes_and_diffckpt_reads
 
 @pytest.mark.parametrize("rel", ["run/" + SEG1, "run/" + SEG2, "segment-zstd.seg",
                                  *[f"sharded/ranks/r{r:05d}/{s}" for r in (0, 1) for s in (SEG1, SEG2)]])
-def test_format_1_segments_decode_to_what_format_2_holds(rel: str) -> None:
+def test_format_1_segments_decode_to_what_the_current_format_holds(rel: str) -> None:
     header, records, problem = decode_segment(v1(rel), rel)
     assert problem is None and header["format"] == 1
     assert all(sorted(e) == ["length", "raw_length", "sha256", "step"] for e in header["records"])
@@ -183,7 +183,7 @@ def test_damage_to_format_1_segments_is_found() -> None:
     assert records == [] and problem is not None and f"step {step1}" in problem
     _, records, problem = decode_segment(_flip(data, len(data) - 1), "seg")  # the 32-byte trailer
     assert len(records) == 2 and problem is not None and "checksum does not match" in problem
-    _, records, problem = decode_segment(data[:-16], "seg")  # a format-2-sized trailer is short
+    _, records, problem = decode_segment(data[:-16], "seg")  # a format-2 or 3-sized digest is short
     assert len(records) == 2 and problem is not None and "checksum" in problem
 
 
@@ -210,25 +210,25 @@ def test_cli_verify_names_a_damaged_format_1_record(tmp_path: Path, capsys: Cap)
         assert load_state(str(root))["step"] == 3  # the newest intact step, as before
 
 
-def test_a_format_1_marker_with_format_2_keys_or_the_reverse_is_damaged() -> None:
+def test_a_format_1_marker_with_current_keys_or_the_reverse_is_damaged() -> None:
     old = json.loads(v1(f"run/{BASE.commit_path}"))
     new = json.loads((GOLDEN / "run" / BASE.commit_path).read_bytes())
     with pytest.raises(CorruptRecordError, match="state.safetensors has no size and sha256"):
         decode_commit(json.dumps({**new, "format": 1}).encode(), "COMMIT")
     with pytest.raises(CorruptRecordError, match="state.safetensors has no size and xxh3_128"):
-        decode_commit(json.dumps({**old, "format": 2}).encode(), "COMMIT")
+        decode_commit(json.dumps({**old, "format": FORMAT_VERSION}).encode(), "COMMIT")
     data = v1("run/" + SEG1)
     with pytest.raises(CorruptRecordError, match="segment header is damaged"):  # sha256 entries in format 2
         decode_segment(data.replace(b'"format":1', b'"format":2', 1), "seg")
 
 
 # ------------------------------------------------------------------------- unknown versions
-@pytest.mark.parametrize("version", [0, 3, 17])
+@pytest.mark.parametrize("version", [0, 4, 17])
 def test_a_commit_of_an_unknown_version_is_refused_naming_it(tmp_path: Path, version: int) -> None:
     info = json.loads(v1(f"run/{BASE.commit_path}"))
     data = json.dumps({**info, "format": version}, indent=1, sort_keys=True).encode()
     message = (f"COMMIT: COMMIT marker format {version} is not one this diffckpt reads "
-               r"\(formats 1 and 2\); it was written by a newer diffckpt \(upgrade diffckpt to read it\)")
+               r"\(formats 1, 2 and 3\); it was written by a newer diffckpt \(upgrade diffckpt to read it\)")
     with pytest.raises(CorruptRecordError, match=message):
         decode_commit(data, "COMMIT")
     root = _copy(tmp_path)
@@ -238,9 +238,9 @@ def test_a_commit_of_an_unknown_version_is_refused_naming_it(tmp_path: Path, ver
 
 
 def test_a_segment_of_an_unknown_version_is_refused_naming_it() -> None:
-    data = v1("run/" + SEG1).replace(b'"format":1', b'"format":3', 1)
-    with pytest.raises(CorruptRecordError, match=r"seg: segment format 3 is not one this diffckpt reads "
-                       r"\(formats 1 and 2\); .*upgrade diffckpt"):
+    data = v1("run/" + SEG1).replace(b'"format":1', b'"format":4', 1)
+    with pytest.raises(CorruptRecordError, match=r"seg: segment format 4 is not one this diffckpt reads "
+                       r"\(formats 1, 2 and 3\); .*upgrade diffckpt"):
         decode_segment(data, "seg")
 
 
@@ -253,9 +253,10 @@ def _module() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return module, torch.optim.SGD(module.parameters(), **mg._hyper(0.5))
 
 
-def _resume_with_format_2(root: Path) -> dict[int, dict[str, torch.Tensor]]:
-    """Resume the format-1 run at step 4 as a new (format-2) session, train steps 5..8 on
-    dyadic gradients (exact in float32), and return the parameters after each step."""
+def resume_with_the_current_format(root: Path) -> dict[int, dict[str, torch.Tensor]]:
+    """Resume the golden run (of an older format) at step 4 as a new session, of the current
+    format, train steps 5..8 on dyadic gradients (exact in float32), and return the parameters
+    after each step."""
     module, opt = _module()
     assert CheckpointEngine(str(root)).restore(module, [opt], 4).step == 4
     engine = CheckpointEngine(str(root), CheckpointOptions(write_batch=2, base_every_n_steps=None,
@@ -274,22 +275,22 @@ def _resume_with_format_2(root: Path) -> dict[int, dict[str, torch.Tensor]]:
     return truth
 
 
-def _format_of(root: Path, rel: str) -> int:
+def format_of(root: Path, rel: str) -> int:
     data = (root / rel).read_bytes()
     if rel.endswith("COMMIT"):
         return int(decode_commit(data, rel)["format"])
     return int(decode_segment(data, rel)[0]["format"])
 
 
-def test_a_run_root_with_format_1_and_format_2_sessions(tmp_path: Path, capsys: Cap) -> None:
+def test_a_run_root_with_format_1_and_current_sessions(tmp_path: Path, capsys: Cap) -> None:
     root = _copy(tmp_path)
-    truth = _resume_with_format_2(root)
+    truth = resume_with_the_current_format(root)
     sim = mg.simulate()
-    formats = {rel: _format_of(root, rel) for rel in
+    formats = {rel: format_of(root, rel) for rel in
                [BASE.commit_path, SEG1, SEG2, BaseName(4, 2).commit_path,
                 "diffs/000000000004-000000000006.g000002.seg", "diffs/000000000006-000000000008.g000002.seg"]}
-    assert list(formats.values()) == [1, 1, 1, 2, 2, 2], formats
-    assert json.loads((root / "run.json").read_text())["version"] == 2
+    assert list(formats.values()) == [1, 1, 1, *[FORMAT_VERSION] * 3], formats
+    assert json.loads((root / "run.json").read_text())["version"] == FORMAT_VERSION
 
     def check(step: int | None, expected: int, base: int) -> None:
         result = load_state(str(root), step)
@@ -298,18 +299,18 @@ def test_a_run_root_with_format_1_and_format_2_sessions(tmp_path: Path, capsys: 
         for name in mg.PARAM_NAMES:
             assert torch.equal(result["model"][name], want[name]), (step, name)
 
-    check(None, 8, 4)  # the format-2 session
+    check(None, 8, 4)  # the session of the current format
     check(6, 6, 4)
     check(3, 3, 0)  # the format-1 session
     for deep in ([], ["--deep"]):
         rc, out, _ = cli(capsys, "verify", root, *deep)
         assert rc == 0 and "OK: every checksum matches" in out, out
 
-    # Compaction of the format-1 chain writes a format-2 base that format-1 segments continue.
+    # Compaction of the format-1 chain writes a current base that format-1 segments continue.
     done = compact(str(root), to=2)
     assert done.written and done.verified_through == 2
-    assert _format_of(root, BaseName(2, 1).commit_path) == 2
-    check(3, 3, 2)  # base 2 (format 2) + segment 2-4 (format 1)
+    assert format_of(root, BaseName(2, 1).commit_path) == FORMAT_VERSION
+    check(3, 3, 2)  # base 2 (current format) + segment 2-4 (format 1)
     rc, out, _ = cli(capsys, "verify", root, "--deep")
     assert rc == 0 and "OK: every checksum matches" in out, out
 

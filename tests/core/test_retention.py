@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_runs import assert_state, base_dir, restore, seg, train
+import torch
+from engine_runs import assert_state, base_dir, optimizer_step, restore, seg, train
 
 from diffckpt import CheckpointNotFoundError, RetentionPolicy, collect_garbage
 from diffckpt.lifecycle.retention import apply_gc, plan_gc
@@ -294,3 +295,83 @@ def test_the_last_pass_waits_for_every_rank_to_have_its_last_base(run: tuple[Pat
     never.close(0.5)
     assert 0.4 < time.monotonic() - start < 5 and never.collections == []  # nothing left to delete
     _restorable(root, truth, [30, 40])
+
+
+def test_the_default_retention_keeps_the_two_newest_chains(tmp_path: Path) -> None:
+    """Every default (bases sized by bytes, retention on): old chains go once newer bases are
+    durable, the newest step and everything from the older kept base on stay restorable; a
+    resumed session's chains then take the place of the old session's. ``retention=None`` is
+    the opt-out that keeps every step (the other tests here)."""
+    from engine_runs import make, snapshot, train_steps
+
+    from diffckpt import CheckpointEngine, CheckpointOptions
+
+    def session(first: int, last: int, truth: dict[int, Any]) -> CheckpointEngine:
+        module, optimizers = make()
+        engine = CheckpointEngine(root)
+        assert engine.options == CheckpointOptions()
+        if first:
+            engine.restore(module, optimizers, first)
+        engine.start(module, optimizers, first)
+        truth[first] = snapshot(module, optimizers, first)
+        engine.write_base(first, module.state_dict(), [o.state_dict() for o in optimizers], {"x": first})
+        train_steps(engine, module, optimizers, first + 1, last, truth)
+        assert engine.close() == last  # a normal end: the last retention pass ran
+        return engine
+
+    root, truth = tmp_path / "run", {}
+    engine = session(0, 80, truth)
+    every = engine.settings.base_every_n_steps
+    assert every is not None and 80 // every >= 4  # several chains were written
+    bases = [b.step for b in _inv(root).bases]
+    assert len(bases) == 2 and bases[0] > 0 and bases[1] - bases[0] == every, bases
+    _restorable(root, truth, [bases[0], bases[0] + 1, bases[1], 80])
+    _gone(root, [1, bases[0] - 1])
+    # The session recorded its policy: `gc` without one applies it and finds nothing more to do.
+    assert collect_garbage(root).objects == 0
+    # A resumed session: once two of its bases are durable, the first session's chains go.
+    session(80, 160, truth)
+    inv = _inv(root)
+    assert [b.gen for b in inv.bases] == [2, 2] and {s.gen for s in inv.segments} == {2}
+    _restorable(root, truth, [inv.bases[0].step, 160])
+    _gone(root, [80 - 1])
+
+
+def test_steps_framework_saves_name_outlive_the_default_retention(tmp_path: Path) -> None:
+    """A framework's save of a step (a ModelCheckpoint reference, Accelerate's ``save_state``)
+    names it: retention keeps it restorable for as long as the session runs, however many newer
+    bases come."""
+    from engine_runs import LoopState, make
+
+    from diffckpt import CheckpointEngine
+    from diffckpt.lifecycle.retention import recorded_policy
+
+    root = tmp_path / "run"
+    module, optimizers = make()
+    sched = torch.optim.lr_scheduler.StepLR(optimizers[0], 10)
+    engine = CheckpointEngine(root)  # the default retention
+    engine.begin(module, optimizers, 0, LoopState(sched))
+    saved, truth = [], {}
+    for step in range(1, 81):
+        optimizer_step(module, optimizers, step)
+        sched.step()
+        engine.commit(step, LoopState(sched))
+        if step in (6, 7):
+            truth[step] = {k: v.clone() for k, v in module.state_dict().items()}
+        if step == 6:
+            engine.when_restorable(6, lambda: saved.append(6), name="epoch=0-step=6.ckpt")
+        if step == 7:
+            engine.keep(7, "save_state(out/step7)")
+    plan = plan_gc(RunStore(open_storage(root)), recorded_policy(RunStore(open_storage(root))) or RetentionPolicy(),
+                   also=[(1, 6, "saved as epoch=0-step=6.ckpt")])
+    engine.end()
+    assert saved == [6]
+    assert any("saved as epoch=0-step=6.ckpt" in k.reasons for k in plan.kept)
+    every = engine.settings.base_every_n_steps
+    bases = [b.step for b in _inv(root).bases]
+    # The base that 6 and 7 restore from stays, besides the two newest.
+    assert every is not None and bases[0] <= 6 and len(bases) == 3 and bases[1] > 8, bases
+    for step in (6, 7):
+        result, restored, _ = restore(root, step)
+        assert result.step == step and all(torch.equal(v, restored.state_dict()[k]) for k, v in truth[step].items())
+    _gone(root, [bases[1] - 1])  # past the saved steps, an old chain went

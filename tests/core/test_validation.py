@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_runs import base_dir, train
+from engine_runs import base_dir, build_segment, train
 
 from diffckpt import CorruptRecordError, RetentionPolicy
 from diffckpt.checksums import XXH3_128
@@ -44,7 +44,7 @@ DAMAGED_COMMITS: dict[str, Any] = {
     "size is a string": {**GOOD, "files": {"state.safetensors": {"size": "840", "xxh3_128": "ff" * 16}}},
     "size is negative": {**GOOD, "files": {"state.safetensors": {"size": -1, "xxh3_128": "ff" * 16}}},
     "xxh3_128 is missing": {**GOOD, "files": {"state.safetensors": {"size": 840}}},
-    "a format-1 digest in format 2": {**GOOD, "files": {"state.safetensors": {"size": 840, "sha256": "ff" * 32}}},
+    "a format-1 digest in the current format": {**GOOD, "files": {"state.safetensors": {"size": 840, "sha256": "ff" * 32}}},
     "step is missing": _without(GOOD, "step"),
     "step is a string": {**GOOD, "step": "10"},
     "gen is a bool": {**GOOD, "gen": True},
@@ -126,30 +126,54 @@ def test_a_damaged_commit_falls_back_to_an_older_base_under_python_O(
 
 
 # ----------------------------------------------------------------------------- segments
-def _segment(header: dict[str, Any], body: bytes = b"") -> bytes:
-    """A format-2 segment around ``header`` (which says ``format`` itself) and ``body``."""
+def _segment(header: dict[str, Any], body: bytes = b"", version: int = FORMAT_VERSION) -> bytes:
+    """A segment of ``version`` around ``header`` (its ``format`` key says a version itself) and
+    ``body``: format 3 splits the header into the lead and the index at the end (``last`` and
+    ``records``), format 2 keeps it whole in front."""
+    if version >= 3:
+        index = {k: header.pop(k) for k in ("last", "records") if k in header}
+        return build_segment(header, [body], index)
     head = json.dumps(header).encode()
     lead = SEGMENT_MAGIC + struct.pack("<I", len(head)) + head
     return lead + body + XXH3_128.digest(lead)
 
 
 _EMPTY = XXH3_128.hexdigest(b"")
+_PART = {2: "header", 3: "index"}  # where the record entries are
 
 
+@pytest.mark.parametrize("version", [2, 3])
 @pytest.mark.parametrize("records", [
     [1, 2], {"a": 1}, [{"step": 1, "length": 0, "xxh3_128": _EMPTY}],  # no raw_length
     [{"step": "1", "length": 0, "raw_length": 0, "xxh3_128": _EMPTY}],
     [{"step": 1, "length": -5, "raw_length": 0, "xxh3_128": _EMPTY}],
     [{"step": 1, "length": 0, "raw_length": 0, "xxh3_128": None}],
-    [{"step": 1, "length": 0, "raw_length": 0, "sha256": _EMPTY}],  # format 1's key in format 2
+    [{"step": 1, "length": 0, "raw_length": 0, "sha256": _EMPTY}],  # format 1's key in format 2 or 3
 ])
-def test_a_damaged_segment_header_is_a_corrupt_record(records: Any) -> None:
-    data = _segment({"format": 2, "compression": "none", "after": 0, "last": 1, "gen": 1, "records": records})
-    with pytest.raises(CorruptRecordError, match="segment header is damaged"):
+def test_a_damaged_record_list_is_a_corrupt_record(records: Any, version: int) -> None:
+    data = _segment({"format": version, "compression": "none", "after": 0, "last": 1, "gen": 1,
+                     "records": records}, version=version)
+    with pytest.raises(CorruptRecordError, match=f"segment {_PART[version]} is damaged"):
         decode_segment(data, "seg")
 
 
-@pytest.mark.parametrize("version", [None, "2", True, 2.0])
+@pytest.mark.parametrize("index", [[], "x", None, {"last": 1}, {"last": 1, "records": None}])
+def test_a_format_3_index_that_is_no_object_with_records_is_a_corrupt_record(index: Any) -> None:
+    data = build_segment({"after": 0, "compression": "none", "format": 3, "gen": 1}, [], index)
+    with pytest.raises(CorruptRecordError, match="seg: segment index is damaged or truncated"):
+        decode_segment(data, "seg")
+
+
+@pytest.mark.parametrize("length", [2**32 - 1, 10**6])
+def test_a_format_3_index_length_past_the_lead_is_a_corrupt_record(length: int) -> None:
+    data = bytearray(build_segment({"after": 0, "compression": "none", "format": 3, "gen": 1}, [],
+                                   {"last": 1, "records": []}))
+    data[-20:-16] = struct.pack("<I", length)
+    with pytest.raises(CorruptRecordError, match="seg: segment index is damaged or truncated"):
+        decode_segment(bytes(data), "seg")
+
+
+@pytest.mark.parametrize("version", [None, "2", True, 2.0, "3", 3.0])
 def test_a_segment_format_that_is_no_version_number_is_damage(version: Any) -> None:
     data = _segment({"format": version, "compression": "none", "after": 0, "last": 1, "gen": 1, "records": []})
     with pytest.raises(CorruptRecordError, match="segment header is damaged"):
@@ -163,11 +187,12 @@ def test_a_header_that_is_no_object_is_a_corrupt_record() -> None:
             decode_segment(SEGMENT_MAGIC + struct.pack("<I", len(head)) + head + b"\x00" * 32, "seg")
 
 
-def test_a_record_that_is_no_step_record_is_a_problem_not_an_error() -> None:
+@pytest.mark.parametrize("version", [2, 3])
+def test_a_record_that_is_no_step_record_is_a_problem_not_an_error(version: int) -> None:
     blob = pack_tree(["not", "a", "record"])
     entry = {"step": 1, "length": len(blob), "raw_length": len(blob), "xxh3_128": XXH3_128.hexdigest(blob)}
-    data = _segment({"format": 2, "compression": "none", "after": 0, "last": 1, "gen": 1,
-                     "records": [entry]}, blob)
+    data = _segment({"format": version, "compression": "none", "after": 0, "last": 1, "gen": 1,
+                     "records": [entry]}, blob, version)
     _, records, problem = decode_segment(data, "seg")
     assert records == [] and problem is not None and "not a step record" in problem
 

@@ -57,10 +57,12 @@ def main() -> None:
     ckpt = None
     start_epoch = 0
     if args.dirpath:
+        from diffckpt import CheckpointOptions
         from lightning_ckpt import FabricCheckpointer
         ckpt = FabricCheckpointer(fabric, args.dirpath, model=model, optimizers=opt, schedulers=sched,
                                   every_n_steps=args.every, write_batch=args.write_batch,
-                                  base_every_n_steps=args.base_every)
+                                  base_every_n_steps=args.base_every,
+                                  options=CheckpointOptions(retention=None))  # resumes from any step
         if args.resume:
             print(f"RESUMED {ckpt.restore(args.resume if args.resume == 'last' else int(args.resume))} "
                   f"rank {fabric.global_rank}", flush=True)

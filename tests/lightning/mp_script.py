@@ -117,7 +117,8 @@ def main(argv: list[str]) -> None:
         from lightning_ckpt import DiffCheckpoint, DiffCheckpointIO
 
         callbacks.append(DiffCheckpoint(args.dirpath, write_batch=2, base_every_n_steps=4,
-                                        options=CheckpointOptions(fingerprint_every_n_steps=3)))
+                                        # retention=None: resumes from any step of the run
+                                        options=CheckpointOptions(fingerprint_every_n_steps=3, retention=None)))
         plugins.append(DiffCheckpointIO())
         if args.model_checkpoint:
             from lightning.pytorch.callbacks import ModelCheckpoint

@@ -239,8 +239,10 @@ def main(argv: list[str] | None = None) -> None:
             extra["tuning"] = TuningOptions(**args.tuning)
         if args.auto:
             extra["every_n_steps"] = args.write_batch = args.base_every = "auto"
-        extra.update(args.options)
-        if "retention" in extra:
+        # retention=None unless given: the tests resume from any step of a run, which the default
+        # retention (the two newest bases' chains) would not keep.
+        extra.update({"retention": None, **args.options})
+        if extra["retention"] is not None:
             from diffckpt import RetentionPolicy
 
             extra["retention"] = RetentionPolicy(**extra["retention"])

@@ -33,11 +33,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from engine_runs import LoopState
+from helpers import finish_process
 
 from diffckpt import CheckpointEngine, CheckpointOptions
 from diffckpt.rng import set_rng_state
 
-OPTIONS = {"write_batch": 2, "base_every_n_steps": 4, "fingerprint_every_n_steps": 3}
+# retention=None: the tests restore older steps of a run, which the default retention would trim.
+OPTIONS = {"write_batch": 2, "base_every_n_steps": 4, "fingerprint_every_n_steps": 3, "retention": None}
 
 
 class Stalling:
@@ -105,9 +107,10 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     m, opt, sched = make(not args.unsharded, args.bf16)
     torch.manual_seed(1000 + rank)
-    first, engine = 0, None
+    first, engine, based = 0, None, []
     if args.root:
-        options = dict(OPTIONS)
+        # --defaults: the shipped defaults (bases sized by bytes, retention on) but for write_batch
+        options = {"write_batch": OPTIONS["write_batch"]} if args.defaults else dict(OPTIONS)
         if args.auto:
             options.update(every_n_steps="auto", write_batch="auto")
         if args.keep_last_bases:
@@ -141,8 +144,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
         opt.step()
         sched.step()
         opt.zero_grad()
-        if engine is not None:
-            engine.commit(step, LoopState(sched))
+        if engine is not None and engine.commit(step, LoopState(sched)).base:
+            based.append(step)
         if rank == 0:
             print(f"STEP {step}", flush=True)
         if step in args.full_at:
@@ -150,10 +153,12 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
             if rank == 0:
                 torch.save(state, os.path.join(args.out, f"full{step}.pt"))
     if engine is not None:
+        if args.defaults:  # the byte-sized base interval each rank followed, and its bases
+            print(f"INTERVAL rank {rank}: {engine.settings.base_every_n_steps} {based}", flush=True)
         engine.end()
     torch.save(pieces(m, opt, sched), os.path.join(args.out, f"rank{rank}.pt"))
     dist.barrier()
-    dist.destroy_process_group()
+    finish_process()  # no interpreter finalization, which aborts a gloo process now and then
 
 
 def main() -> None:
@@ -172,6 +177,7 @@ def main() -> None:
     p.add_argument("--stall", metavar="RANK:REGEX")
     p.add_argument("--auto", action="store_true", help="every_n_steps and write_batch tuned automatically")
     p.add_argument("--keep-last-bases", type=int, help="retention beside training")
+    p.add_argument("--defaults", action="store_true", help="CheckpointOptions defaults (but write_batch)")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     with socket.socket() as s:

@@ -8,6 +8,7 @@ compared with the full tensors of that run at the restored step.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -19,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from engine_runs import record_span
 from helpers import ROOT, assert_bitwise_equal, kill_tree, run_script, script_env
 
 import diffckpt
@@ -148,7 +150,8 @@ def test_one_ranks_damaged_or_missing_segment(reference, tmp_path):
     train(tmp_path / "a", 10, "--root", str(root))
     seg = root / "ranks/r00001/diffs/000000000008-000000000010.g000001.seg"
     data = bytearray(seg.read_bytes())
-    data[-40] ^= 0xFF  # a flipped byte in the last record: only reading finds it
+    offset, length = record_span(bytes(data), 10)
+    data[offset + length // 2] ^= 0xFF  # a flipped byte in the last record: only reading finds it
     seg.write_bytes(bytes(data))
     assert ShardedRun(open_storage(root)).resolve().step == 10  # the listings cannot tell
     with pytest.warns(UserWarning, match="restoring step 9"):
@@ -205,6 +208,25 @@ def test_auto_tuning_and_retention_beside_sharded_training(reference, tmp_path):
     state = diffckpt.load_state(root)
     assert state["step"] == STEPS
     assert_full_equal(load(reference / f"full{STEPS}.pt"), state)
+
+
+def test_default_options_base_by_bytes_alike_on_every_rank_and_retention_trims_every_stream(tmp_path):
+    """The shipped defaults on a sharded job: the byte-sized base interval is rank 0's, so every
+    rank writes its bases at the same steps; the default retention leaves each stream the chains
+    of its two newest bases, and the newest step restores."""
+    root, steps = tmp_path / "run", 40
+    log = train(tmp_path / "a", steps, "--root", str(root), "--defaults", "--full-at", str(steps))
+    followed = [line.split(": ")[1] for line in log.splitlines() if line.startswith("INTERVAL rank")]
+    assert len(followed) == 2 and followed[0] == followed[1], log  # the same interval and base steps
+    every, based = int(followed[0].split(" ", 1)[0]), json.loads(followed[0].split(" ", 1)[1])
+    assert len(based) >= 3 and based[0] <= every + 1, (every, based)  # periodic bases, from step 0
+    invs = ShardedRun(open_storage(root)).inventories(2)
+    kept = [[b.step for b in inv.bases] for inv in invs]
+    # Both streams kept the same bases: the two newest and the one training ended on at most.
+    assert kept[0] == kept[1] and set(kept[0]) <= {0, *based, steps} and len(kept[0]) <= 3, (based, kept)
+    state = diffckpt.load_state(root)
+    assert state["step"] == steps
+    assert_full_equal(load(tmp_path / "a" / f"full{steps}.pt"), state)
 
 
 def _stored_grad_dtypes(root: Path, rank: int) -> set[torch.dtype]:

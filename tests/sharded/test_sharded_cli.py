@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import safetensors.torch
 import torch
+from engine_runs import record_span
 from helpers import assert_bitwise_equal, run_script
 
 import diffckpt
@@ -77,9 +78,11 @@ def assert_is_training_state(expected: dict[str, Any], model: dict[str, Any], op
     assert_bitwise_equal(expected["optimizer"], optimizer_state)
 
 
-def flip_byte(path: Path, at_from_end: int = 100) -> None:
+def flip_byte(path: Path, step: int) -> None:
+    """Flip a byte in the middle of the record of ``step`` in segment ``path``."""
     data = bytearray(path.read_bytes())
-    data[len(data) - at_from_end] ^= 0xFF
+    offset, length = record_span(bytes(data), step)
+    data[offset + length // 2] ^= 0xFF
     path.write_bytes(bytes(data))
 
 
@@ -261,7 +264,7 @@ def test_plan_gc_keeps_the_step_durable_on_every_rank_in_each_stream(run: Path, 
 # --------------------------------------------------------------------------------- damage
 def test_flipped_byte_in_one_rank_is_named_and_the_common_step_restored(run: Path, trained: tuple[Path, Path],
                                                                         tmp_path: Path, capsys: Cap) -> None:
-    flip_byte(run / "ranks/r00001" / SEG)  # inside the record of step 6
+    flip_byte(run / "ranks/r00001" / SEG, 6)
     rc, out, _ = cli(capsys, "verify", run)
     assert rc == 1
     assert f"BAD rank 1 ranks/r00001/{SEG}: record for step 6 fails its checksum" in out

@@ -43,7 +43,7 @@ def trainer(tmp_path: Path, root: str, width: int = 32, **args) -> tuple[Trainer
     kw = {"output_dir": str(tmp_path / "out"), "use_cpu": True, "per_device_train_batch_size": 4,
           "max_steps": 6, "report_to": "none", "disable_tqdm": True, "save_strategy": "no", **args}
     cb = DiffCheckpointCallback(root, write_batch=1, base_every_n_steps=4, storage_options=storage_options,
-                                options=CheckpointOptions(retry=RetryPolicy(budget_s=0.3, initial_backoff_s=0.01,
+                                options=CheckpointOptions(retention=None, retry=RetryPolicy(budget_s=0.3, initial_backoff_s=0.01,
                                                                             max_backoff_s=0.05)))
     return Trainer(model=model, args=TrainingArguments(**kw), train_dataset=Rows(), eval_dataset=evaluate,
                    callbacks=[cb]), cb

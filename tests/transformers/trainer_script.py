@@ -83,12 +83,14 @@ def main() -> None:
     callbacks: list = [progress]
     cb = None
     if a.dirpath:
+        from diffckpt import CheckpointOptions
         from transformers_ckpt import DiffCheckpointCallback
 
         def knob(v: str):
             return v if v == "auto" else None if v == "none" else int(v)
         cb = DiffCheckpointCallback(a.dirpath, every_n_steps=knob(a.every), write_batch=knob(a.batch),
-                                    base_every_n_steps=knob(a.base_every))
+                                    base_every_n_steps=knob(a.base_every),
+                                    options=CheckpointOptions(retention=None))  # resumes from any step
         callbacks.append(cb)
     if a.sleep:
         class Slow(TrainerCallback):

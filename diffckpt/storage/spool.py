@@ -1,0 +1,250 @@
+"""Spools: local files an object's bytes are appended to before the object is written to storage.
+
+The background writer encodes each step's record as it arrives and appends it to the open
+segment's spool, so the record's memory is freed at once; at commit the whole spool is written to
+storage under its final name, atomically. A storage that can do better than copying the file
+offers ``spool(hint)`` (a local :class:`~diffckpt.storage.FsspecStorage` puts the spool beside
+the target, and committing is a rename); otherwise :func:`open_spool` puts it in the system
+temporary folder.
+
+Reading by byte range is the other half: :func:`read_range` reads part of an object where the
+storage can (``storage.read_range``) and slices a whole read where it cannot; :func:`ranged` tells
+a reader which of the two it gets, so that it can read whole objects instead of many ranges.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import errno
+import itertools
+import os
+import re
+import tempfile
+import uuid
+from collections.abc import Iterator, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from ..errors import StorageError
+
+if TYPE_CHECKING:  # protocol.py imports this module (Data includes Spool): no import back at run time
+    from .protocol import Buffer
+
+__all__ = ["SPOOL_FOLDER", "Spool", "open_spool", "ranged", "read_range", "remove_dead_spools", "temporary_spool"]
+
+SPOOL_FOLDER = "diffckpt-spool"
+"""The folder, in the system temporary folder, of the spools of storages that have no place of
+their own for them (object stores, a caller's storage without ``spool``)."""
+
+
+def _iov_max() -> int:
+    # writev takes at most IOV_MAX buffers at once (1024 on Linux); a record may have more tensors.
+    try:
+        return max(16, os.sysconf("SC_IOV_MAX"))
+    except (ValueError, OSError):
+        return 1024
+
+
+_IOV_MAX = _iov_max()
+
+
+class Spool:
+    """A local file an object's bytes are appended to before the object is written to storage.
+
+    ``Spool(path)`` creates the file (it must not exist). Buffers are written to it directly, never
+    joined, and read back chunk by chunk with ``pread``, so neither appending nor committing holds
+    the object in memory. The file stays readable through the spool until :meth:`discard`, even
+    after a local commit renamed it to the object's name.
+
+    Attributes:
+        path: the local file.
+        size: bytes appended so far.
+        temporary: whether the file is in the system temporary folder (:func:`temporary_spool`):
+            it is then readable by its owner only, and a local storage copies it instead of
+            renaming it, so that the object gets the permissions of any other object.
+    """
+
+    def __init__(self, path: str, *, temporary: bool = False) -> None:
+        self.path = path
+        self.size = 0
+        self.temporary = temporary
+        # Exclusive create: two writers never share a spool. Every user of the machine shares the
+        # temporary folder, hence owner-only files there.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600 if temporary else 0o666)
+        self._file = open(fd, "r+b", buffering=0)  # open as long as the spool is
+
+    def append(self, parts: Sequence[Buffer]) -> int:
+        """Write ``parts`` in order after what was appended before; return the offset where they
+        start. If writing fails, the spool is as it was before (the partial write is cut off)."""
+        start = self.size
+        try:
+            self.size += _write_all(self._file.fileno(), parts)
+        except OSError as exc:
+            # Later offsets must stay those of `size`: drop whatever part of the buffers went out.
+            with contextlib.suppress(OSError):
+                self.truncate(start)
+            raise _failed("append to", self, exc) from exc
+        return start
+
+    def read_at(self, offset: int, size: int) -> bytes:
+        """The ``size`` bytes appended at ``offset`` (``pread``: appending is not disturbed)."""
+        if offset < 0 or size < 0 or offset + size > self.size:
+            raise ValueError(f"bytes [{offset}, {offset + size}) are not in {self!r}")
+        fd = self._file.fileno()
+        pieces: list[bytes] = []
+        got = 0
+        while got < size:  # pread may return fewer bytes than asked
+            piece = os.pread(fd, size - got, offset + got)
+            if not piece:  # someone truncated the file: what it held is lost
+                raise StorageError(f"the spool file {self.path} ends at byte {offset + got}, not at {self.size}")
+            pieces.append(piece)
+            got += len(piece)
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+    def truncate(self, size: int) -> None:
+        """Keep only the first ``size`` bytes; the next append starts there."""
+        if not 0 <= size <= self.size:
+            raise ValueError(f"cannot truncate {self!r} to {size} bytes")
+        fd = self._file.fileno()
+        os.ftruncate(fd, size)
+        os.lseek(fd, size, os.SEEK_SET)  # writev writes at the file position
+        self.size = size
+
+    def chunks(self, size: int = 8 << 20) -> Iterator[bytes]:
+        """The content, in order, ``size`` bytes at a time (the last chunk may be shorter)."""
+        if size <= 0:
+            raise ValueError(f"chunk size must be positive, not {size}")
+        for pos in range(0, self.size, size):
+            yield self.read_at(pos, min(size, self.size - pos))
+
+    def __iter__(self) -> Iterator[bytes]:
+        """:meth:`chunks`: a storage that only knows lists of buffers can write a spool too."""
+        return self.chunks()
+
+    def sync(self) -> None:
+        """Make what was appended durable (``fsync``), before the file is renamed to an object."""
+        os.fsync(self._file.fileno())
+
+    def discard(self) -> None:
+        """Close the file and remove it; again, or after a commit renamed it, it does nothing."""
+        self._file.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    def __enter__(self) -> Spool:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if kind is not None:  # the object will not be written: its bytes are garbage
+            self.discard()
+
+    def __repr__(self) -> str:
+        return f"Spool({self.path!r}, size={self.size})"
+
+
+def _write_all(fd: int, parts: Sequence[Buffer]) -> int:
+    """Write ``parts`` at the file's position with as few ``writev`` calls as the kernel allows
+    (it may write fewer bytes than asked, and takes at most IOV_MAX buffers); return the count."""
+    pending = collections.deque(v for v in (memoryview(p).cast("B") for p in parts) if v.nbytes)
+    total = 0
+    while pending:
+        written = os.writev(fd, list(itertools.islice(pending, _IOV_MAX)))
+        total += written
+        while written:  # drop the buffers that went out, keep the rest of one cut short
+            if written >= pending[0].nbytes:
+                written -= pending.popleft().nbytes
+            else:
+                pending[0] = pending[0][written:]
+                written = 0
+    return total
+
+
+def _failed(action: str, spool: Spool | str, exc: OSError) -> StorageError:
+    """A :class:`StorageError` for a spool file, saying where it is (a full temporary folder is
+    not where a user looks first)."""
+    path = spool.path if isinstance(spool, Spool) else spool
+    hint = ""
+    if exc.errno == errno.ENOSPC:
+        hint = (" (the disk is full: free space; a spool in the temporary folder holds one open "
+                "segment, and TMPDIR chooses the folder)")
+    return StorageError(f"cannot {action} the spool file {path}: {exc}{hint}")
+
+
+def temporary_spool(hint: str) -> Spool:
+    """A spool in the ``diffckpt-spool`` folder of the system temporary folder, for an object that
+    will be written at a path like ``hint``.
+
+    Its name starts with this process's id. Before it is created, the spools there of processes
+    that no longer run on this host are removed, so that what a ``kill -9`` leaves behind does
+    not add up.
+    """
+    folder = os.path.join(tempfile.gettempdir(), SPOOL_FOLDER)
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", os.path.basename(hint.rstrip("/")))[-120:]
+    path = os.path.join(folder, f"{os.getpid()}-{uuid.uuid4().hex[:8]}-{name}.tmp")
+    try:
+        _make_folder(folder)
+        remove_dead_spools(folder)
+        return Spool(path, temporary=True)
+    except OSError as exc:
+        raise _failed("create", path, exc) from exc
+
+
+def _make_folder(folder: str) -> None:
+    # Every user of the machine shares the temporary folder: the spool folder is open to all like
+    # it, sticky so that no one removes another's files (the files themselves are owner-only).
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(folder, 0o700)
+        os.chmod(folder, 0o1777)
+
+
+def remove_dead_spools(folder: str) -> None:
+    """Remove the spools in ``folder`` whose process (the id their name starts with) has ended."""
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return
+    for name in names:
+        pid = name.split("-", 1)[0]
+        if name.endswith(".tmp") and pid.isdigit() and not _alive(int(pid)):
+            with contextlib.suppress(OSError):  # gone already, or another user's
+                os.unlink(os.path.join(folder, name))
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid() or os.name != "posix":  # on Windows, os.kill(pid, 0) ends the process
+        return True
+    try:
+        os.kill(pid, 0)  # signal 0: only checks that the process exists
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: it exists, as another user's process
+        return True
+    return True
+
+
+def open_spool(storage: Any, hint: str) -> Spool:
+    """A spool for an object that will be written at a path like ``hint`` (e.g.
+    ``"diffs/000000000012-open.g000001.seg"``): ``storage.spool(hint)`` where the storage has
+    that method, otherwise a spool in the system temporary folder (:func:`temporary_spool`)."""
+    make = getattr(storage, "spool", None)
+    return make(hint) if callable(make) else temporary_spool(hint)
+
+
+def read_range(storage: Any, path: str, start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of the object at ``path``: ``storage.read_range`` where the storage
+    has it, else a whole read, sliced. Raises :class:`~diffckpt.CheckpointNotFoundError` if there
+    is no object, as ``read`` does; an object shorter than ``end`` gives fewer bytes."""
+    if start < 0 or end < start:
+        raise ValueError(f"invalid byte range [{start}, {end}) of {path}")
+    method = getattr(storage, "read_range", None)
+    if callable(method):
+        return bytes(method(path, start, end))
+    return bytes(storage.read(path)[start:end])
+
+
+def ranged(storage: Any) -> bool:
+    """Whether ``storage`` reads byte ranges itself: a reader told ``False`` reads whole objects
+    rather than several ranges of one (each of which would read the whole object)."""
+    return bool(getattr(storage, "ranged", False))

@@ -1,0 +1,463 @@
+"""Spools (a local file an object's bytes are appended to before the object is written) and reads
+by byte range: the spool itself, committing one to local disk (a rename), to ``memory://`` and to
+S3 (moto over HTTP, faults from the proxy), through the wrappers and a caller's plain storage;
+what a killed writer leaves behind and who removes it."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import re
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
+from faultproxy import FaultProxy
+from s3env import S3Target, limit_s3fs_retries
+from test_protocol import Plain
+
+from diffckpt import CheckpointNotFoundError, StorageError
+from diffckpt.lifecycle.leftovers import details_of, leftovers
+from diffckpt.runstore import RunStore
+from diffckpt.storage import (
+    FsspecStorage,
+    InspectableStorage,
+    RetryingStorage,
+    RetryPolicy,
+    Spool,
+    as_bytes,
+    data_size,
+    open_spool,
+    open_storage,
+    ranged,
+    read_range,
+)
+from diffckpt.storage import fsspec_storage as fsspec_module
+from diffckpt.storage import spool as spool_module
+from diffckpt.storage.prefixed import Prefixed, substorage
+from diffckpt.storage.spool import SPOOL_FOLDER, temporary_spool
+
+MiB = 2**20
+HINT = "diffs/000000000012-open.g000001.seg"
+FINAL = "diffs/000000000012-000000000020.g000001.seg"
+QUICK = RetryPolicy(budget_s=20, initial_backoff_s=0.01, max_backoff_s=0.05)
+
+
+def payload(n: int, seed: int = 0) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+@pytest.fixture(autouse=True)
+def private_tmpdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Temporary-folder spools of this test go to a folder of its own, not the machine's."""
+    folder = tmp_path / "systmp"
+    folder.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    return folder
+
+
+# ------------------------------------------------------------------------------- the spool
+def test_append_gives_offsets_and_chunks_read_back_in_order(tmp_path: Path) -> None:
+    spool = Spool(str(tmp_path / "s.tmp"))
+    floats: Any = memoryview(bytearray(range(16))).cast("f")  # not a byte view: appended as its bytes
+    assert spool.append([b"abc", memoryview(b"defgh")]) == 0
+    assert spool.append([]) == 8 and spool.append([b""]) == 8
+    assert spool.append([floats]) == 8
+    many = payload(3000, 1)
+    assert spool.append([many[i:i + 1] for i in range(3000)]) == 24  # more buffers than IOV_MAX
+    expected = b"abcdefgh" + bytes(range(16)) + many
+    assert spool.size == len(expected) == os.path.getsize(spool.path)
+    chunks = list(spool.chunks(1000))
+    assert [len(c) for c in chunks] == [1000, 1000, 1000, 24] and b"".join(chunks) == expected
+    assert b"".join(spool) == expected  # iterating gives the chunks: plain storages can write it
+    assert spool.read_at(5, 10) == expected[5:15] and spool.read_at(0, 0) == b""
+    with pytest.raises(ValueError):
+        spool.read_at(spool.size - 1, 2)
+    spool.truncate(8)
+    assert spool.append([b"XY"]) == 8 and spool.read_at(0, spool.size) == b"abcdefghXY"
+    spool.discard()
+    spool.discard()  # idempotent
+    assert not os.path.exists(spool.path)
+
+
+def test_short_writes_are_completed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = os.writev
+    monkeypatch.setattr(os, "writev", lambda fd, bufs: real(fd, [bytes(bufs[0])[:3]]))
+    with Spool(str(tmp_path / "s.tmp")) as spool:
+        spool.append([b"0123456789", b"", b"abcdefg"])
+        assert spool.read_at(0, spool.size) == b"0123456789abcdefg"
+        spool.discard()
+
+
+def test_a_failed_append_leaves_the_spool_as_it_was(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    spool = Spool(str(tmp_path / "s.tmp"))
+    spool.append([b"kept"])
+    real = os.writev
+    calls = []
+
+    def full_disk(fd: int, bufs: list[Any]) -> int:
+        calls.append(fd)
+        if len(calls) == 1:
+            return real(fd, [bufs[0]])  # the first buffer goes out, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "writev", full_disk)
+    with pytest.raises(StorageError, match="disk is full"):
+        spool.append([b"lost-", b"too"])
+    monkeypatch.undo()
+    assert spool.size == 4 == os.path.getsize(spool.path)
+    assert spool.append([b"!"]) == 4 and b"".join(spool.chunks()) == b"kept!"
+    spool.discard()
+
+
+def test_a_spool_is_discarded_when_its_block_fails(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError), Spool(str(tmp_path / "s.tmp")) as spool:
+        spool.append([b"x"])
+        raise RuntimeError("encoding failed")
+    assert not os.path.exists(spool.path)
+    with Spool(str(tmp_path / "t.tmp")) as kept:
+        kept.append([b"x"])
+    assert os.path.exists(kept.path)  # a normal end leaves it to the caller (it is to be written)
+    kept.discard()
+
+
+def test_data_size_and_as_bytes(tmp_path: Path) -> None:
+    spool = Spool(str(tmp_path / "s.tmp"))
+    spool.append([b"abc", b"de"])
+    assert data_size(spool) == 5 and as_bytes(spool) == b"abcde"
+    assert data_size(b"abc") == 3 and data_size([b"ab", memoryview(b"cde")]) == 5
+    doubles: Any = memoryview(bytearray(8)).cast("d")
+    assert data_size(doubles) == 8  # bytes, not elements
+    assert as_bytes([b"ab", memoryview(b"c")]) == b"abc"
+    spool.discard()
+
+
+# ------------------------------------------------------------------------------- local disk
+def test_a_local_spool_lives_beside_its_target_and_is_committed_by_a_rename(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    storage = FsspecStorage(str(tmp_path / "run"))
+    spool = storage.spool(HINT)
+    assert os.path.dirname(spool.path) == str(tmp_path / "run" / "diffs") and not spool.temporary
+    assert re.fullmatch(r"\.000000000012-open\.g000001\.seg\.[0-9a-f]{8}\.tmp", os.path.basename(spool.path))
+    data = payload(100_000)
+    spool.append([data[:10], data[10:]])
+    assert storage.list("") == {}  # a hidden file: no reader sees it
+    inode = os.stat(spool.path).st_ino
+    synced: list[os.stat_result] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.fstat(fd))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+
+    storage.write(FINAL, spool)
+    target = tmp_path / "run" / FINAL
+    assert not os.path.exists(spool.path) and os.stat(target).st_ino == inode  # renamed, not copied
+    assert [s.st_ino for s in synced] == [inode, os.stat(target.parent).st_ino]  # file, then directory
+    assert stat.S_ISDIR(synced[1].st_mode)
+    spool.discard()  # fine after the rename consumed the file
+    assert storage.read(FINAL) == data and storage.list("") == {FINAL: len(data)}
+    assert sorted(os.listdir(target.parent)) == [target.name]
+
+
+def test_a_spool_left_by_a_killed_writer_is_a_leftover_that_gc_finds(
+        tmp_path: Path, python_env: dict[str, str], python_exe: str) -> None:
+    root = str(tmp_path / "run")
+    script = ("import os, signal, sys\nfrom diffckpt.storage import FsspecStorage\n"
+              f"spool = FsspecStorage(sys.argv[1]).spool({HINT!r})\nspool.append([b'x' * 1000])\n"
+              "os.kill(os.getpid(), signal.SIGKILL)\n")
+    done = subprocess.run([python_exe, "-c", script, root], env=python_env, capture_output=True, timeout=120)
+    assert done.returncode == -9, done.stderr
+    storage = FsspecStorage(root)
+    assert storage.list("") == {}
+    (name, (size, _)), = storage.details("", hidden=True).items()
+    assert re.fullmatch(r"diffs/\.000000000012-open\.g000001\.seg\.[0-9a-f]{8}\.tmp", name) and size == 1000
+    store = RunStore(storage)
+    found = leftovers(store, details_of(store), set(), cutoff=time.time() + 60)
+    assert [(x.path, x.size, x.kind) for x in found] == [(name, 1000, "temporary file of an interrupted write")]
+    assert leftovers(store, details_of(store), set(), cutoff=time.time() - 3600) == []  # too young
+
+
+def test_a_local_commit_copies_a_spool_on_another_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    storage = FsspecStorage(str(tmp_path / "run"))
+    spool = storage.spool(HINT)
+    data = payload(50_000)
+    spool.append([data])
+    real_replace = os.replace
+    refused: list[str] = []
+
+    def replace(src: str, dst: str) -> None:
+        if not refused:
+            refused.append(src)
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    storage.write(FINAL, spool)
+    assert refused == [spool.path] and os.path.exists(spool.path)  # copied: the spool is still there
+    assert storage.read(FINAL) == data
+    spool.discard()
+    assert os.listdir(tmp_path / "run" / "diffs") == [os.path.basename(FINAL)]
+
+
+def test_a_retried_local_commit_copies_what_the_first_attempt_renamed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    storage = RetryingStorage(FsspecStorage(str(tmp_path / "run")), QUICK)
+    spool = storage.spool(HINT)
+    data = payload(20_000)
+    spool.append([data])
+    real = fsspec_module._fsync_directory
+    failed: list[str] = []
+
+    def flaky(directory: str) -> None:  # the rename happened, then the directory's fsync timed out
+        if not failed:
+            failed.append(directory)
+            raise OSError(errno.ETIMEDOUT, "timed out")
+        real(directory)
+
+    monkeypatch.setattr(fsspec_module, "_fsync_directory", flaky)
+    storage.write(FINAL, spool)
+    assert failed and storage.read(FINAL) == data
+    spool.discard()
+
+
+def test_a_temporary_spool_is_copied_to_a_local_root_with_the_usual_permissions(
+        tmp_path: Path, private_tmpdir: Path) -> None:
+    storage = FsspecStorage(str(tmp_path / "run"))
+    spool = temporary_spool(HINT)
+    assert spool.temporary and stat.S_IMODE(os.stat(spool.path).st_mode) == 0o600
+    spool.append([b"bytes"])
+    storage.write(FINAL, spool)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(os.stat(tmp_path / "run" / FINAL).st_mode) == 0o666 & ~umask
+    assert os.path.exists(spool.path) and storage.read(FINAL) == b"bytes"
+    spool.discard()
+    assert os.listdir(private_tmpdir / SPOOL_FOLDER) == []
+
+
+def test_wrappers_spool_beside_the_target_of_their_folder(tmp_path: Path) -> None:
+    root = FsspecStorage(str(tmp_path / "run"))
+    for storage in (Prefixed(root, "ranks/r1/"), substorage(open_storage(root), "ranks/r1/")):
+        spool = open_spool(storage, HINT)  # their own spool(), which places it
+        assert os.path.dirname(spool.path) == str(tmp_path / "run" / "ranks" / "r1" / "diffs")
+        spool.append([b"rank one"])
+        storage.write(FINAL, spool)
+        spool.discard()
+        assert root.read("ranks/r1/" + FINAL) == b"rank one" and storage.read(FINAL) == b"rank one"
+    assert isinstance(Prefixed(root, "a/"), InspectableStorage)
+    assert isinstance(open_storage(root), InspectableStorage)
+    assert not isinstance(open_storage(Plain()), InspectableStorage)
+
+
+# ------------------------------------------------------------------------------- object stores
+@pytest.fixture
+def memory_url() -> Iterator[str]:
+    url = f"memory://spool-{uuid.uuid4().hex[:8]}/run"
+    yield url
+    fs = fsspec.filesystem("memory")
+    if fs.exists(url):
+        fs.rm(url, recursive=True)
+
+
+class Watched:
+    """Records the largest chunk a spool's content was read in (the memory a commit holds)."""
+
+    def __init__(self, spool: Spool) -> None:
+        self.largest = 0
+        real = spool.chunks
+
+        def chunks(size: int = 8 << 20) -> Iterator[bytes]:
+            for chunk in real(size):
+                self.largest = max(self.largest, len(chunk))
+                yield chunk
+
+        spool.chunks = chunks  # type: ignore[method-assign]
+
+
+def _commit(storage: Any, path: str, data: bytes) -> Spool:
+    spool = open_spool(storage, path + ".open")
+    spool.append([data[: len(data) // 3], data[len(data) // 3:]])
+    storage.write(path, spool)
+    return spool
+
+
+def test_memory_root_commits_small_and_streamed_spools(memory_url: str, private_tmpdir: Path) -> None:
+    storage = FsspecStorage(memory_url, part_size=1 * MiB, multipart_threshold=2 * MiB)
+    small, big = payload(MiB, 1), payload(5 * MiB + 7, 2)
+    spool = _commit(storage, "diffs/small.seg", small)
+    assert spool.temporary and spool.path.startswith(str(private_tmpdir / SPOOL_FOLDER))
+    assert os.path.exists(spool.path)  # an upload leaves the spool to the caller
+    spool.discard()
+    spool = open_spool(storage, HINT)
+    spool.append([big])
+    watched = Watched(spool)
+    storage.write(FINAL, spool)
+    spool.discard()
+    assert watched.largest == MiB  # streamed a part at a time, never read whole
+    assert storage.read("diffs/small.seg") == small and storage.read(FINAL) == big
+    assert os.listdir(private_tmpdir / SPOOL_FOLDER) == []
+
+
+def test_memory_root_writes_no_object_when_the_spool_cannot_be_read(memory_url: str) -> None:
+    storage = FsspecStorage(memory_url, part_size=1 * MiB, multipart_threshold=2 * MiB)
+    for size in (MiB, 3 * MiB):
+        spool = open_spool(storage, HINT)
+        spool.append([payload(size)])
+        os.truncate(spool.path, size // 2)  # the local file lost its end: nothing may be committed
+        with pytest.raises(StorageError, match="ends at byte"):
+            storage.write(FINAL, spool)
+        spool.discard()
+        assert not storage.exists(FINAL) and storage.list("") == {}
+
+
+def s3_storage(target: S3Target, **kwargs: Any) -> FsspecStorage:
+    return FsspecStorage(target.url, part_size=5 * MiB, multipart_threshold=5 * MiB, **kwargs,
+                         **target.storage_options)
+
+
+def _uploads(target: S3Target) -> list[Any]:
+    return target.fs().call_s3("list_multipart_uploads", Bucket=target.bucket).get("Uploads", [])
+
+
+def test_s3_commits_small_and_multipart_spools(s3_via_proxy: S3Target, s3_bucket: S3Target,
+                                               fault_proxy: FaultProxy) -> None:
+    storage = s3_storage(s3_via_proxy)
+    small, big = payload(MiB, 3), payload(12 * MiB + 5, 4)
+    _commit(storage, "diffs/small.seg", small).discard()
+    assert fault_proxy.count("PUT", r"/run/diffs/small\.seg$", outcome=200) == 1
+    spool = open_spool(storage, HINT)
+    spool.append([big])
+    watched = Watched(spool)
+    storage.write(FINAL, spool)
+    spool.discard()
+    assert watched.largest == 5 * MiB
+    assert fault_proxy.count("POST", r"\?uploads") == 1 and fault_proxy.count("PUT", r"partNumber=") == 3
+    direct = s3_storage(s3_bucket)
+    assert direct.read("diffs/small.seg") == small and direct.read(FINAL) == big
+
+
+def test_s3_failed_uploads_leave_no_object_and_retries_reread_the_spool(
+        s3_via_proxy: S3Target, s3_bucket: S3Target, fault_proxy: FaultProxy,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    limit_s3fs_retries(monkeypatch)
+    storage, direct = s3_storage(s3_via_proxy), s3_storage(s3_bucket)
+    small, big = payload(MiB, 5), payload(11 * MiB, 6)
+    for data, regex in ((small, r"/run/diffs/"), (big, r"partNumber=2")):
+        spool = open_spool(storage, HINT)
+        spool.append([data])
+        fault_proxy.fail(1, status=500, method="PUT", path_regex=regex)
+        with pytest.raises(StorageError):
+            storage.write(FINAL, spool)
+        assert not direct.exists(FINAL) and _uploads(s3_bucket) == []  # the upload was aborted
+        fault_proxy.fail(1, status=500, method="PUT", path_regex=regex)
+        RetryingStorage(storage, QUICK).write(FINAL, spool)  # the second attempt reads it again
+        spool.discard()
+        assert direct.read(FINAL) == data
+        direct.delete(FINAL)
+    assert fault_proxy.count("PUT", outcome="failed") == 4
+
+
+# ------------------------------------------------------------------------------- ranges
+@pytest.fixture(params=["local", "memory", "s3"])
+def ranged_root(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[FsspecStorage]:
+    if request.param == "local":
+        yield FsspecStorage(str(tmp_path / "run"))
+    elif request.param == "memory":
+        url = request.getfixturevalue("memory_url")
+        yield FsspecStorage(url)
+    else:
+        yield s3_storage(request.getfixturevalue("s3_bucket"))
+
+
+def test_read_range_on_each_root_and_through_the_wrappers(ranged_root: FsspecStorage) -> None:
+    data = payload(1000, 7)
+    ranged_root.write("a/x", data)
+    views: dict[str, tuple[Any, str]] = {"plain": (ranged_root, "a/x"), "retrying": (open_storage(ranged_root), "a/x"),
+             "prefixed": (Prefixed(ranged_root, "a/"), "x"),
+             "substorage": (substorage(open_storage(ranged_root), "a/"), "x")}
+    for name, (storage, path) in views.items():
+        assert ranged(storage), name
+        for start, end in ((0, 10), (10, 500), (990, 1000), (990, 1200), (1000, 1010), (1200, 1300), (5, 5)):
+            assert read_range(storage, path, start, end) == data[start:end], (name, start, end)
+            assert storage.read_range(path, start, end) == data[start:end]
+        with pytest.raises(CheckpointNotFoundError):
+            read_range(storage, path + "-missing", 0, 10)
+        with pytest.raises(CheckpointNotFoundError):
+            read_range(storage, path + "-missing", 3, 3)
+        with pytest.raises(ValueError):
+            read_range(storage, path, 5, 4)
+
+
+def test_read_range_of_a_storage_without_ranges_reads_the_whole_object() -> None:
+    plain = Plain()
+    plain.objects["a/x"] = b"0123456789"
+    views = [(plain, "a/x"), (open_storage(plain), "a/x"), (Prefixed(plain, "a/"), "x"),
+             (substorage(open_storage(plain), "a/"), "x")]
+    for storage, path in views:
+        assert not ranged(storage)
+        assert read_range(storage, path, 2, 5) == b"234"
+        # as its read does: the caller's FileNotFoundError, which open_storage's wrapper explains
+        missing = CheckpointNotFoundError if isinstance(storage, RetryingStorage) else FileNotFoundError
+        with pytest.raises(missing):
+            read_range(storage, path + "-missing", 0, 1)
+    assert ranged(FsspecStorage("memory://unused")) and not ranged(object())
+
+
+def test_a_storage_without_spools_writes_a_temporary_one(private_tmpdir: Path) -> None:
+    plain = Plain()
+    for storage in (plain, open_storage(plain), Prefixed(plain, "r/")):
+        spool = open_spool(storage, HINT)
+        assert spool.temporary and os.path.dirname(spool.path) == str(private_tmpdir / SPOOL_FOLDER)
+        spool.append([b"ab", b"cd"])
+        storage.write(FINAL, spool)  # joined by the caller's storage, through the wrappers
+        spool.discard()
+    assert plain.objects == {FINAL: b"abcd", "r/" + FINAL: b"abcd"}
+
+
+# ------------------------------------------------------------------------------- the temporary folder
+def test_opening_a_temporary_spool_removes_those_of_ended_processes(
+        private_tmpdir: Path, python_env: dict[str, str], python_exe: str) -> None:
+    script = ("from diffckpt.storage.spool import temporary_spool\n"
+              "spool = temporary_spool('diffs/a.seg')\nspool.append([b'x' * 100])\nprint(spool.path)\n")
+    env = {**python_env, "TMPDIR": str(private_tmpdir)}
+    dead = subprocess.run([python_exe, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    left = dead.stdout.strip()
+    assert dead.returncode == 0 and os.path.dirname(left) == str(private_tmpdir / SPOOL_FOLDER), dead.stderr
+    assert re.fullmatch(r"\d+-[0-9a-f]{8}-a\.seg\.tmp", os.path.basename(left))
+    folder = private_tmpdir / SPOOL_FOLDER
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        of_live = folder / f"{live.pid}-0badcafe-b.seg.tmp"
+        of_live.write_bytes(b"y")
+        unrelated = folder / "notes.txt"
+        unrelated.write_bytes(b"z")
+        mine = temporary_spool("diffs/we ird:name.seg")
+        assert os.path.basename(mine.path).endswith("-we_ird_name.seg.tmp")
+        assert not os.path.exists(left)  # its process has ended
+        assert of_live.exists() and unrelated.exists()
+        again = temporary_spool("diffs/c.seg")  # this process's own spools are kept
+        assert os.path.exists(mine.path)
+    finally:
+        live.kill()
+        live.wait()
+    assert stat.S_IMODE(os.stat(folder).st_mode) == 0o1777  # shared like /tmp, sticky
+    mine.discard()
+    again.discard()
+
+
+def test_a_temporary_spool_that_cannot_be_created_says_where(private_tmpdir: Path) -> None:
+    (private_tmpdir / SPOOL_FOLDER).write_bytes(b"a file where the folder should be")
+    with pytest.raises(StorageError, match=f"spool file {re.escape(str(private_tmpdir / SPOOL_FOLDER))}"):
+        spool_module.temporary_spool(HINT)
