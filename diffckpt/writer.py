@@ -252,6 +252,8 @@ class BackgroundWriter:
         record larger than the bound waits only until what is held is within it, so the writer
         never holds more than the bound plus one record."""
         bound = self.options.max_pending_bytes
+        if not nbytes:  # a flush, a call, a retarget: they hold nothing (a flush waits anyway)
+            return False
         return bool(self._queued_bytes) and self._queued_bytes + nbytes > bound + (nbytes if nbytes > bound else 0)
 
     # -------------------------------------------------------------- writer side

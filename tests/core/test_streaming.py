@@ -228,3 +228,13 @@ def test_records_after_the_newest_restorable_one_move_on_to_the_next_segment(tmp
     for record in records[:2]:
         dropped.add(record)
     assert dropped.drop_through(2) is None and not list(tmp_path.rglob("*.tmp"))
+
+
+def test_bfloat16_valued_gradients_narrow_chunk_by_chunk() -> None:
+    from diffckpt.sharding import _NARROW_CHUNK, narrowed
+
+    g = torch.randn(2 * _NARROW_CHUNK + 5, 3).to(torch.bfloat16).to(torch.float32)
+    h = narrowed(g)
+    assert h.dtype == torch.bfloat16 and h.shape == g.shape and torch.equal(h.float(), g)
+    g.view(-1)[-1] += 1e-6  # one value past bfloat16, in the last chunk: nothing is lost
+    assert narrowed(g) is g
