@@ -70,7 +70,7 @@ class BackgroundWriter:
 
     def __init__(self, store: RunStore, gen: int, options: CheckpointOptions, after: int,
                  meter: Meter | None = None, write_batch: int | None = None, fence: Storage | None = None,
-                 narrow_grads: bool = False) -> None:
+                 narrow_grads: bool = True) -> None:
         self.store = store
         self.gen = gen
         self.options = options
@@ -95,7 +95,10 @@ class BackgroundWriter:
         # is fenced by the run root's session files, whatever layout the newer job has.
         fence = storage if fence is None else fence
         self._fence = fence.with_cancel(self._abandon) if isinstance(fence, RetryingStorage) else fence
-        self.narrow_grads = narrow_grads  # store bfloat16-valued float32 gradients in 16 bits
+        # bfloat16-valued float32 gradients (bf16 autocast, bfloat16 reduction) stored in 16 bits:
+        # exact, half the bytes, and far cheaper than zstd finding the zero halves (replay casts
+        # every gradient to its parameter's dtype, format.md section 6)
+        self.narrow_grads = narrow_grads
         self.outage = Outage(store.storage.url, options, self.stats)
         self._last_buffers: dict[str, torch.Tensor] | None = None
         self._queue: collections.deque[tuple[str, Any, int]] = collections.deque()

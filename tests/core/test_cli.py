@@ -96,16 +96,16 @@ bases
 
 segments
   after..last  gen  steps  size     path
-  0..3         g1   3      7.6 KiB  diffs/000000000000-000000000003.g000001.seg
-  3..5         g1   2      5.1 KiB  diffs/000000000003-000000000005.g000001.seg
+  0..3         g1   3      7.5 KiB  diffs/000000000000-000000000003.g000001.seg
+  3..5         g1   2      5.0 KiB  diffs/000000000003-000000000005.g000001.seg
   5..8         g1   3      7.6 KiB  diffs/000000000005-000000000008.g000001.seg
   8..10        g1   2      5.1 KiB  diffs/000000000008-000000000010.g000001.seg
-  10..13       g1   3      7.6 KiB  diffs/000000000010-000000000013.g000001.seg
+  10..13       g1   3      7.5 KiB  diffs/000000000010-000000000013.g000001.seg
 
 totals
-  on storage  48.0 KiB (49193 B)
+  on storage  47.7 KiB (48809 B)
   bases       13.8 KiB (14113 B)
-  diffs       33.1 KiB (33845 B) over 13 steps, 2.5 KiB per step
+  diffs       32.7 KiB (33461 B) over 13 steps, 2.5 KiB per step
   other       1.2 KiB (1235 B)
 
 resume any durable step N with ckpt_path="<TMP>/run/step=N"

@@ -127,8 +127,10 @@ def test_replay_installs_the_decoded_tensors_without_copying_them(
     result = CheckpointEngine(str(root)).restore(module, optimizers, STEPS)
     assert_state(truth, result, module, optimizers)
     assert len(installed) == STEPS * len(optimizers)
-    mine = {id(t) for ts in decoded.values() for t in ts}
-    assert all(i in mine for ids in installed for i in ids)
+    # A gradient stored in 16 bits (bfloat16-valued, e.g. all zeros) is cast back to float32 on
+    # install, necessarily a new tensor; every one stored as float32 is installed as decoded.
+    mine = {id(t) for ts in decoded.values() for t in ts if t.dtype == torch.float32}
+    assert mine and mine <= {i for ids in installed for i in ids}
 
 
 # ---------------------------------------------------------------------------- ready ahead
