@@ -9,21 +9,12 @@ from typing import Any
 
 import pytest
 import torch
-from engine_runs import OPTIONS, FaultyStorage, LoopState, make
+from engine_runs import OPTIONS, FaultyStorage, LoopState, make, optimizer_step
 
 from diffckpt import CheckpointEngine, CheckpointOptions
 
 KEYS = {"diffckpt/durable_step", "diffckpt/durability_lag_steps", "diffckpt/bytes_per_step",
         "diffckpt/bytes_written", "diffckpt/writer_stall_s", "diffckpt/queue_fill"}
-
-
-def _step(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer], step: int) -> None:
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
-    for o in optimizers:
-        o.zero_grad()
-    module(x).pow(2).mean().backward()
-    for o in optimizers:
-        o.step()
 
 
 def _run(root: Any, steps: int, start: int = 0, resume: bool = False, hint: str | None = None,
@@ -41,7 +32,7 @@ def _run(root: Any, steps: int, start: int = 0, resume: bool = False, hint: str 
     engine.begin(module, optimizers, start, LoopState(sched), resume_hint=hint)
     seen = []
     for step in range(start + 1, steps + 1):
-        _step(module, optimizers, step)
+        optimizer_step(module, optimizers, step)
         sched.step()
         engine.commit(step, LoopState(sched))
         seen.append(engine.metrics())
