@@ -25,8 +25,9 @@ from typing import Any
 import torch
 
 from .checksums import fingerprint
-from .errors import ConcurrentWriterError, DiffCkptError, StorageUnavailableError
-from .format import BaseName, SegmentName, base_commit
+from .committer import Committer
+from .errors import DiffCkptError, StorageUnavailableError
+from .format import BaseName, base_commit
 from .leases import Lease
 from .openseg import OpenSegment
 from .options import CheckpointOptions
@@ -35,7 +36,6 @@ from .runstore import RunStore
 from .sharding import narrowed
 from .staging import HostStage
 from .storage import Storage
-from .storage.protocol import data_size
 from .storage.retry import RetryingStorage
 from .tree import pack_parts
 from .tuning.meter import Meter
@@ -79,11 +79,9 @@ class BackgroundWriter:
         self.write_batch = write_batch if write_batch is not None else int(options.write_batch)
         self._cut_next = False
         self.stats = WriterStats()
-        self.durable_step: int | None = None
         self.last_step = after  # newest step handed to the writer
         self._after = after  # step the next segment continues from
         self._open: OpenSegment | None = None  # records written to a spool, not committed yet
-        self._committing: threading.Thread | None = None  # the segment being committed
         self.stage = HostStage()
         # Called on the training side before it waits for this thread (a full queue, a flush):
         # it ends the leases this thread may be waiting for (StepCapture.end_leases).
@@ -94,12 +92,14 @@ class BackgroundWriter:
         # Newer sessions are announced where this session was: a rank stream of sharded training
         # is fenced by the run root's session files, whatever layout the newer job has.
         fence = storage if fence is None else fence
-        self._fence = fence.with_cancel(self._abandon) if isinstance(fence, RetryingStorage) else fence
+        fence = fence.with_cancel(self._abandon) if isinstance(fence, RetryingStorage) else fence
         # bfloat16-valued float32 gradients (bf16 autocast, bfloat16 reduction) stored in 16 bits:
         # exact, half the bytes, and far cheaper than zstd finding the zero halves (replay casts
         # every gradient to its parameter's dtype, format.md section 6)
         self.narrow_grads = narrow_grads
         self.outage = Outage(store.storage.url, options, self.stats)
+        self._committer = Committer(store, gen, self.storage, fence, self._abandon, self.outage, self.stats,
+                                    meter, options.retry.max_backoff_s, lambda: self._queued_bytes, self._fail)
         self._last_buffers: dict[str, torch.Tensor] | None = None
         self._queue: collections.deque[tuple[str, Any, int]] = collections.deque()
         self._queued_bytes = 0
@@ -109,6 +109,15 @@ class BackgroundWriter:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"diffckpt-writer-g{gen}", daemon=True)
         self._thread.start()
+
+    @property
+    def durable_step(self) -> int | None:
+        """The newest step committed to the run root (``None`` before the first)."""
+        return self._committer.durable_step
+
+    @durable_step.setter
+    def durable_step(self, step: int | None) -> None:
+        self._committer.durable_step = step
 
     @property
     def queued_bytes(self) -> int:
@@ -175,16 +184,13 @@ class BackgroundWriter:
         """
         if self._closed:
             return self.durable_step
-        abandoned = False
+        abandoned, reason = False, ""
         try:
             self.flush(timeout)
         except (TimeoutError, StorageUnavailableError) as exc:
             abandoned = True
-            self._abandon.set()  # ends the writer's retries
-            log.error("diffckpt: gave up the final flush (%s): durable up to step %s in %s; steps %s..%d were "
-                      "not written and are lost", exc if isinstance(exc, StorageUnavailableError) else
-                      f"not done within {timeout}s", self.durable_step, self.store.storage.url,
-                      (self.durable_step or 0) + 1, self.last_step)
+            self._abandon.set()  # ends the writer's retries; no write is attempted after this
+            reason = str(exc) if isinstance(exc, StorageUnavailableError) else f"not done within {timeout}s"
             if timeout is None:  # on_storage_error="raise" during an outage
                 raise
         except BaseException:  # e.g. KeyboardInterrupt while waiting: do not wait on the thread
@@ -195,8 +201,15 @@ class BackgroundWriter:
             with self._cond:
                 self._closed = True
                 self._cond.notify_all()
-            # An abandoned writer may sit in a network call; it is a daemon thread, so let it be.
+            # An abandoned writer may sit in a network call; its threads are daemons, so let them
+            # be after a few seconds. Waiting that long for the commit thread too makes the
+            # durable step reported below final in all but a hung request.
+            deadline = time.monotonic() + 5.0
             self._thread.join(timeout=5.0 if abandoned else None)
+            if abandoned and self._committer.thread is not None:
+                self._committer.thread.join(max(0.0, deadline - time.monotonic()))
+            if abandoned and reason:
+                self._log_abandoned(reason)
         if self._open is not None and not self._thread.is_alive():
             if len(self._open) and not abandoned:
                 log.info("diffckpt: %d trailing step(s) after the last restorable step were not kept",
@@ -205,9 +218,24 @@ class BackgroundWriter:
             self._open = None
         return self.durable_step
 
+    def _log_abandoned(self, reason: str) -> None:
+        durable, url = self.durable_step, self.store.storage.url
+        lost = f"steps {(durable or 0) + 1}..{self.last_step}" if self.last_step > (durable or 0) else "no step"
+        if self._committer.in_flight:
+            log.error("diffckpt: gave up the final flush (%s): durable up to step %s in %s; an upload still in "
+                      "flight may yet make more steps durable; the others of %s are lost", reason, durable, url,
+                      lost)
+        else:
+            log.error("diffckpt: gave up the final flush (%s): durable up to step %s in %s; %s were not written "
+                      "and are lost", reason, durable, url, lost)
+
     def check(self) -> None:
         """Re-raise the first background error, if any."""
         self._raise_if_failed()
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._error is None:
+            self._error = exc
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
@@ -344,42 +372,11 @@ class BackgroundWriter:
             name, self._open = segment.finish(cut)
             if self.meter is not None:
                 self.meter.add_segment(raw, segment.spool.size, segment.encode_s)
-            self._settle()
+            self._committer.settle()
             self._after = name.last
-            self._committing = threading.Thread(target=self._commit_segment, args=(segment, name, cut, raw),
-                                                name=f"diffckpt-commit-g{self.gen}", daemon=True)
-            self._committing.start()
+            self._committer.start(segment, name, cut, raw)
         if wait:
-            self._settle()
-
-    def _commit_segment(self, segment: OpenSegment, name: SegmentName, records: int, raw: int) -> None:
-        start = time.monotonic()
-        size = segment.spool.size
-        try:
-            self._commit(name.path, segment.spool)
-        except BaseException as exc:  # kept and re-raised on the training thread, as the writer's
-            if self._error is None:
-                log.error("diffckpt: background write failed: %s", exc)
-                self._error = exc
-            return
-        finally:
-            segment.discard()
-        self.stats.write_seconds += time.monotonic() - start + segment.encode_s
-        self.stats.segments += 1
-        self.stats.records += records
-        self.stats.segment_bytes += size
-        self.stats.raw_record_bytes += raw
-        self.durable_step = name.last
-
-    def _settle(self) -> None:
-        """Wait for the segment being committed, if any (an abandoned writer stops waiting)."""
-        committing, self._committing = self._committing, None
-        while committing is not None and committing.is_alive():
-            committing.join(0.1)
-            if self._abandon.is_set():
-                raise StorageUnavailableError("the writer was abandoned while a segment was being committed")
-        if self._error is not None:
-            raise self._error
+            self._committer.settle()
 
     def _drop_superseded(self, step: int) -> None:
         """Drop the open records up to a base's step: none is restorable (the segment written just
@@ -395,8 +392,8 @@ class BackgroundWriter:
         size = sum(len(p) for p in parts)
         if self.meter is not None:
             self.meter.add_base(size, time.monotonic() - start)
-        self._commit(name.state_path, parts)
-        self._commit(name.commit_path, base_commit(step, self.gen, fingerprint(params), parts))
+        self._committer.write(name.state_path, parts)
+        self._committer.write(name.commit_path, base_commit(step, self.gen, fingerprint(params), parts))
         self.stage.release(staged)
         self.stats.write_seconds += time.monotonic() - start
         self.stats.bases += 1
@@ -404,32 +401,3 @@ class BackgroundWriter:
         self._after = step
         self._last_buffers = None
         self.durable_step = step if self.durable_step is None else max(self.durable_step, step)
-
-    def _commit(self, path: str, data: Any) -> None:
-        """Write one object: fenced against newer sessions, retried through outages."""
-        start, failed = time.monotonic(), False
-        while True:
-            try:
-                self._check_fence()
-                self.storage.write(path, data)
-                break
-            except StorageUnavailableError as exc:
-                if self._abandon.is_set():
-                    raise
-                failed = True
-                self.outage.note(path, exc, self.durable_step, self._queued_bytes)
-                if self._abandon.wait(self.options.retry.max_backoff_s):
-                    raise
-        if self.meter is not None and not failed:  # what a request costs here, fence check included
-            self.meter.add_write(data_size(data), time.monotonic() - start)
-        self.outage.over(self._queued_bytes)
-
-    def _check_fence(self) -> None:
-        newer = self.store.newer_session(self.gen, self._fence)
-        if newer is not None:
-            raise ConcurrentWriterError(
-                f"another job started writing to {self.store.storage.url} (session g{newer.get('gen')}, host "
-                f"{newer.get('host', '?')}, pid {newer.get('pid', '?')}, resumed from step "
-                f"{newer.get('resumed_from', '?')}); this job (session g{self.gen}) stopped writing so the two do "
-                f"not interleave. Its steps up to {self.durable_step} stay restorable. Stop this job, or give "
-                "each job its own dirpath")

@@ -1,0 +1,115 @@
+"""How the background writer puts objects in the run root: each write fenced against newer
+sessions and retried through outages, and segments committed one at a time in a thread of their
+own, so the writer encodes the next records while an upload runs."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .errors import ConcurrentWriterError, StorageUnavailableError
+from .format import SegmentName
+from .openseg import OpenSegment
+from .outage import Outage
+from .runstore import RunStore
+from .storage import Storage
+from .storage.protocol import data_size
+from .tuning.meter import Meter
+
+__all__ = ["Committer"]
+
+log = logging.getLogger("diffckpt")
+
+
+class Committer:
+    """The writes of one writer (session ``gen``): ``storage`` and ``fence`` already stop
+    retrying once ``abandon`` is set; ``stats`` is the writer's ``WriterStats``; ``held`` says
+    how many bytes the writer holds (for the outage's messages); ``fail`` keeps a commit thread's
+    error for the training thread."""
+
+    def __init__(self, store: RunStore, gen: int, storage: Storage, fence: Storage, abandon: threading.Event,
+                 outage: Outage, stats: Any, meter: Meter | None, max_backoff_s: float,
+                 held: Callable[[], int], fail: Callable[[BaseException], None]) -> None:
+        self.store, self.gen, self.storage, self.fence = store, gen, storage, fence
+        self.abandon, self.outage, self.stats, self.meter = abandon, outage, stats, meter
+        self.max_backoff_s, self.held, self.fail = max_backoff_s, held, fail
+        self.durable_step: int | None = None
+        self.thread: threading.Thread | None = None  # the segment being committed, if any
+        self.error: BaseException | None = None  # the commit thread's, once it failed
+
+    def write(self, path: str, data: Any) -> None:
+        """Write one object: fenced against newer sessions, retried through outages until it is
+        written or the writer is abandoned."""
+        start, failed = time.monotonic(), False
+        while True:
+            if self.abandon.is_set():  # close() gave up: start no write it has reported lost
+                raise StorageUnavailableError(f"the writer was abandoned before {path} was written")
+            try:
+                self.check_fence()
+                self.storage.write(path, data)
+                break
+            except StorageUnavailableError as exc:
+                if self.abandon.is_set():
+                    raise
+                failed = True
+                self.outage.note(path, exc, self.durable_step, self.held())
+                if self.abandon.wait(self.max_backoff_s):
+                    raise
+        if self.meter is not None and not failed:  # what a request costs here, fence check included
+            self.meter.add_write(data_size(data), time.monotonic() - start)
+        self.outage.over(self.held())
+
+    def check_fence(self) -> None:
+        newer = self.store.newer_session(self.gen, self.fence)
+        if newer is not None:
+            raise ConcurrentWriterError(
+                f"another job started writing to {self.store.storage.url} (session g{newer.get('gen')}, host "
+                f"{newer.get('host', '?')}, pid {newer.get('pid', '?')}, resumed from step "
+                f"{newer.get('resumed_from', '?')}); this job (session g{self.gen}) stopped writing so the two do "
+                f"not interleave. Its steps up to {self.durable_step} stay restorable. Stop this job, or give "
+                "each job its own dirpath")
+
+    def start(self, segment: OpenSegment, name: SegmentName, records: int, raw: int) -> None:
+        """Commit a finished segment in the commit thread (after the one before it: call
+        :meth:`settle` first)."""
+        self.thread = threading.Thread(target=self._commit_segment, args=(segment, name, records, raw),
+                                       name=f"diffckpt-commit-g{self.gen}", daemon=True)
+        self.thread.start()
+
+    def settle(self) -> None:
+        """Wait for the segment being committed, if any (an abandoned writer stops waiting), and
+        raise its error."""
+        committing = self.thread
+        while committing is not None and committing.is_alive():
+            committing.join(0.1)
+            if self.abandon.is_set():
+                raise StorageUnavailableError("the writer was abandoned while a segment was being committed")
+        if self.error is not None:
+            raise self.error
+
+    @property
+    def in_flight(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    def _commit_segment(self, segment: OpenSegment, name: SegmentName, records: int, raw: int) -> None:
+        start = time.monotonic()
+        size = segment.spool.size
+        try:
+            self.write(name.path, segment.spool)
+        except BaseException as exc:  # re-raised on the training thread, as the writer's are
+            self.error = exc
+            if not self.abandon.is_set():  # close() logs what an abandoned writer lost
+                log.error("diffckpt: background write failed: %s", exc)
+            self.fail(exc)
+            return
+        finally:
+            segment.discard()
+        self.stats.write_seconds += time.monotonic() - start + segment.encode_s
+        self.stats.segments += 1
+        self.stats.records += records
+        self.stats.segment_bytes += size
+        self.stats.raw_record_bytes += raw
+        self.durable_step = name.last
