@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo lint test bench soak clean gpu-check gpu-wheels
+.PHONY: install demo lint test bench bench-local-tier soak clean gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -43,6 +43,11 @@ bench: $(VENV)/.installed-bench
 	$(BIN)/python bench/restore.py --threads 1  # restore time versus chain length, prefetch on/off
 	$(BIN)/python bench/lifecycle.py --threads 1  # retention and background compaction vs training bases
 	$(BIN)/python bench/sharded.py  # FSDP2 on 2 ranks: diffckpt vs torch.distributed.checkpoint
+
+# The node-local tier (docs/storage.md, "The node-local tier"): kill -9 trials, steps lost with the
+# journal on and off for write_batch 1-64 on local disk and S3 (moto), and the journal's cost per step.
+bench-local-tier: $(VENV)/.installed-bench
+	$(BIN)/python bench/local_tier.py --threads 1  # a core left for the writer
 
 # GPT-2 124M shapes on the CPU, one training thread, 3 interleaved rounds (docs/benchmarks.md,
 # "At real model sizes"): long (tens of minutes) and several GB on the temp dir's disk.

@@ -1,9 +1,14 @@
 """How the background writer puts objects in the run root: each write fenced against newer
-sessions and retried through outages, and segments committed one at a time in a thread of their
-own, so the writer encodes the next records while an upload runs."""
+sessions and retried through outages, and segments committed in order, one at a time, in a
+thread of their own, so the writer encodes the next records while an upload runs.
+
+Finished segments wait their turn as spools on local disk (journaled, so a crash loses none of
+them on this node); at most ``WAITING`` wait, then the writer waits too.
+"""
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -22,6 +27,7 @@ from .tuning.meter import Meter
 __all__ = ["Committer"]
 
 log = logging.getLogger("diffckpt")
+WAITING = 2  # finished segments waiting for the one being committed, before the writer waits
 
 
 class Committer:
@@ -37,8 +43,13 @@ class Committer:
         self.abandon, self.outage, self.stats, self.meter = abandon, outage, stats, meter
         self.max_backoff_s, self.held, self.fail = max_backoff_s, held, fail
         self.durable_step: int | None = None
-        self.thread: threading.Thread | None = None  # the segment being committed, if any
+        self.thread: threading.Thread | None = None  # the commit thread, while it has segments
         self.error: BaseException | None = None  # the commit thread's, once it failed
+        self._queue: collections.deque[tuple[OpenSegment, SegmentName, int, int]] = collections.deque()
+        self._lock = threading.Lock()
+        # Whether the commit thread takes the queue on: set and cleared under the lock, so a
+        # segment handed over just as the thread ends is never left without one.
+        self._running = False
 
     def write(self, path: str, data: Any) -> None:
         """Write one object: fenced against newer sessions, retried through outages until it is
@@ -73,18 +84,23 @@ class Committer:
                 "each job its own dirpath")
 
     def start(self, segment: OpenSegment, name: SegmentName, records: int, raw: int) -> None:
-        """Commit a finished segment in the commit thread (after the one before it: call
-        :meth:`settle` first)."""
-        self.thread = threading.Thread(target=self._commit_segment, args=(segment, name, records, raw),
-                                       name=f"diffckpt-commit-g{self.gen}", daemon=True)
-        self.thread.start()
+        """Commit a finished segment after those handed over before it, in the commit thread;
+        wait first while ``WAITING`` segments already wait."""
+        self.settle(WAITING)
+        with self._lock:
+            self._queue.append((segment, name, records, raw))
+            if not self._running:
+                self._running = True
+                self.thread = threading.Thread(target=self._commit_segments, name=f"diffckpt-commit-g{self.gen}",
+                                               daemon=True)
+                self.thread.start()
 
-    def settle(self) -> None:
-        """Wait for the segment being committed, if any (an abandoned writer stops waiting), and
-        raise its error."""
-        committing = self.thread
-        while committing is not None and committing.is_alive():
-            committing.join(0.1)
+    def settle(self, waiting: int = 0) -> None:
+        """Wait until at most ``waiting`` segments are handed over and not committed (``0``: all
+        are; an abandoned writer stops waiting), and raise the commit thread's error."""
+        while self.error is None and len(self._queue) > waiting:
+            assert self.thread is not None  # a segment is queued: the commit thread runs
+            self.thread.join(0.05)
             if self.abandon.is_set():
                 raise StorageUnavailableError("the writer was abandoned while a segment was being committed")
         if self.error is not None:
@@ -92,7 +108,28 @@ class Committer:
 
     @property
     def in_flight(self) -> bool:
-        return self.thread is not None and self.thread.is_alive()
+        """Whether a segment is handed over and not committed (or given up) yet."""
+        return self._running
+
+    def _commit_segments(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue or self.error is not None:
+                    self._running = False
+                    return
+                item = self._queue[0]
+            self._commit_segment(*item)
+            with self._lock:
+                if self._queue and self._queue[0] is item:  # keep_waiting may have taken it
+                    self._queue.popleft()
+
+    def keep_waiting(self) -> None:
+        """Keep the spools of the segments not committed (the writer gave up): their journals
+        let a resume on this node take their records back."""
+        with self._lock:
+            busy = self.in_flight  # the one being committed is the commit thread's to keep or discard
+            while len(self._queue) > busy:
+                self._queue.pop()[0].keep()
 
     def _commit_segment(self, segment: OpenSegment, name: SegmentName, records: int, raw: int) -> None:
         start = time.monotonic()
@@ -104,9 +141,9 @@ class Committer:
             if not self.abandon.is_set():  # close() logs what an abandoned writer lost
                 log.error("diffckpt: background write failed: %s", exc)
             self.fail(exc)
+            segment.keep()
             return
-        finally:
-            segment.discard()
+        segment.discard()
         self.stats.write_seconds += time.monotonic() - start + segment.encode_s
         self.stats.segments += 1
         self.stats.records += records

@@ -161,7 +161,9 @@ class CheckpointEngine:
         durable step (on every rank, for a sharded run), or ``None`` when nothing is durable
         (every rank calls; rank 0 lists and the others get its answer).
 
-        Damage inside an object is found only when it is read, by :meth:`resume`.
+        Damage inside an object is found only when it is read, by :meth:`resume`. What this
+        node's local tier holds of a crashed session is committed to the run root first, as by
+        :meth:`resume`, so it counts.
         """
         return self._resumption.newest_step(self.recorder)
 

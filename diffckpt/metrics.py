@@ -26,12 +26,13 @@ class CheckpointMetrics:
     stall_seconds: float  # time training waited on a full queue
     queued_bytes: int  # bytes queued or pending in the writer, not durable yet
     max_pending_bytes: int  # the queue's bound
+    local_step: int | None = None  # newest step in the node-local tier (None: no journal, or none yet)
 
     @classmethod
     def of(cls, writer: BackgroundWriter, recorded_step: int) -> CheckpointMetrics:
         s = writer.stats
         return cls(recorded_step, writer.durable_step, s.segment_bytes, s.records, s.segment_bytes + s.base_bytes,
-                   s.stall_seconds, writer.queued_bytes, writer.options.max_pending_bytes)
+                   s.stall_seconds, writer.queued_bytes, writer.options.max_pending_bytes, writer.journaled_step)
 
     @property
     def bytes_per_step(self) -> float:
@@ -40,7 +41,9 @@ class CheckpointMetrics:
 
     def as_dict(self) -> dict[str, float]:
         """Flat ``diffckpt/*`` metrics for experiment loggers; the durable step and the lag are
-        left out until the session's first write is durable (a logger wants numbers)."""
+        left out until the session's first write is durable (a logger wants numbers). The lag of
+        each tier: ``durability_lag_steps`` (the run root: what a node loss loses) and
+        ``local_lag_steps`` (the node-local tier: what a process crash loses)."""
         out = {"diffckpt/bytes_per_step": self.bytes_per_step,
                "diffckpt/bytes_written": float(self.bytes_written),
                "diffckpt/writer_stall_s": self.stall_seconds,
@@ -48,4 +51,8 @@ class CheckpointMetrics:
         if self.durable_step is not None:
             out["diffckpt/durable_step"] = float(self.durable_step)
             out["diffckpt/durability_lag_steps"] = float(max(0, self.recorded_step - self.durable_step))
+        local = max(self.local_step or 0, self.durable_step or 0) if self.local_step is not None else None
+        if local is not None:
+            out["diffckpt/local_step"] = float(local)
+            out["diffckpt/local_lag_steps"] = float(max(0, self.recorded_step - local))
         return out

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from .format import SegmentEncoder, SegmentName
+from .journal import JournalPlace, JournalWriter
 from .storage import Storage
 from .storage.spool import Spool, open_spool
 
@@ -27,15 +28,26 @@ class OpenSegment:
     """Records of session ``gen`` after step ``after``, appended to a spool as they arrive."""
 
     def __init__(self, storage: Storage, gen: int, after: int, compression: str, level: int,
-                 decided: str | None = None) -> None:
+                 decided: str | None = None, journal: JournalPlace | None = None) -> None:
         self.storage = storage
+        self.place = journal
         self.gen = gen
         self.after = after
         self.compression = compression
         self.level = level
         self.encoder = SegmentEncoder({"gen": gen, "after": after}, compression, level, decided)
         # The name the segment will have is known only at its cut; the hint places the spool.
-        self.spool: Spool = open_spool(storage, SegmentName(after, after, gen).path.replace(".seg", ".open"))
+        self.spool: Spool = open_spool(storage, SegmentName(after, after, gen).path.replace(".seg", ".open"),
+                                       journal.folder if journal is not None else None)
+        # The node-local tier: each record's place and checksum, so that a resume on this node
+        # after a crash takes the records back from the spool (journal.py).
+        self.journal: JournalWriter | None = None
+        if journal is not None:
+            try:
+                self.journal = JournalWriter(journal.folder, journal.url, gen, after, self.spool.path)
+            except BaseException:
+                self.spool.discard()
+                raise
         self.steps: list[tuple[int, bool]] = []  # (step, restorable) of each record, in order
         self.ends: list[int] = []  # the spool's size after each record
         self.encode_s = 0.0
@@ -51,6 +63,12 @@ class OpenSegment:
         self.spool.append(parts)
         self.steps.append((record["step"], record.get("state") is not None))
         self.ends.append(self.spool.size)
+        self._journal(-1)
+
+    def _journal(self, i: int) -> None:
+        if self.journal is not None:  # after the bytes: a journaled record is in the spool
+            entry = self.encoder.entries[i]
+            self.journal.add(entry, self.ends[i] - entry["length"], self.steps[i][1])
 
     def cut(self) -> int:
         """How many records a segment cut now takes: up to the newest restorable one."""
@@ -68,7 +86,7 @@ class OpenSegment:
         """The records from ``cut`` on as the next open segment (after step ``after``): their
         encoded bytes copied to its spool, cut from this one's."""
         rest = OpenSegment(self.storage, self.gen, after, self.compression, self.level,
-                           decided=self.encoder.compression)
+                           decided=self.encoder.compression, journal=self.place)
         rest.spool.append([rest.encoder.start()])
         begin = self.ends[cut - 1] if cut else len(self.encoder.lead or b"")
         for offset in range(begin, self.spool.size, _COPY):
@@ -77,6 +95,8 @@ class OpenSegment:
         rest.encoder.entries = self.encoder.entries[cut:]
         rest.steps = self.steps[cut:]
         rest.ends = [end + shift for end in self.ends[cut:]]
+        for i in range(len(rest.steps)):
+            rest._journal(i)
         self.spool.truncate(begin)
         del self.encoder.entries[cut:], self.steps[cut:], self.ends[cut:]
         return rest
@@ -95,5 +115,16 @@ class OpenSegment:
         return rest
 
     def discard(self) -> None:
-        """Remove the spool (nothing of it was committed, or a commit consumed it)."""
+        """Remove the spool and its journal (nothing of it was committed, or a commit consumed it)."""
         self.spool.discard()
+        if self.journal is not None:
+            self.journal.discard()
+
+    def keep(self) -> None:
+        """Close the spool and keep it with its journal, for a resume on this node (its commit
+        failed or was given up); without a journal nothing could use it, so it goes."""
+        if self.journal is None:
+            self.spool.discard()
+            return
+        self.spool.close()
+        self.journal.close()

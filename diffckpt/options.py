@@ -114,6 +114,16 @@ class CheckpointOptions:
             set this when code changes gradients after ``optimizer.step()`` through ``.data``,
             numpy or a view kept past the step, which the guard cannot see
             (``docs/architecture.md``, Capture).
+        local_dir: the node-local tier: where each open segment's records are journaled as they
+            are written (no ``fsync``: it outlives a process, not the node), so that a resume on
+            the same node after a process crash (``kill -9``, the OOM killer, an exception) loses
+            at most the last step, whatever ``write_batch`` and storage. The training thread then
+            waits at each step until the step before it is journaled. ``"auto"`` (the default):
+            the system temporary folder (``TMPDIR``); a path: a folder of your own (e.g. a local
+            NVMe disk); ``None``: no journal, and a crash loses what no segment committed yet
+            (up to ``write_batch`` steps and what is queued). On object stores the open
+            segments' spools live there too; on a local run root they stay beside their
+            segments. ``docs/storage.md`` says what each failure loses.
         flush_timeout_s: how long the final flush may take when training is interrupted
             (SIGTERM, SIGINT, an exception) before giving up; it then logs how far durability
             got. A normal end of training waits for storage as ``on_storage_error`` says.
@@ -137,6 +147,7 @@ class CheckpointOptions:
     retention: RetentionPolicy | None = DEFAULT_RETENTION
     compact_every_n_steps: int | None = None
     compact_device: str | None = None
+    local_dir: str | None = "auto"
 
     def __post_init__(self) -> None:
         for name in ("every_n_steps", "write_batch", "max_pending_bytes", "compression_level"):
@@ -173,6 +184,8 @@ class CheckpointOptions:
             raise ValueError(f"flush_timeout_s must be a non-negative number, got {self.flush_timeout_s!r}")
         if not isinstance(self.copy_gradients, bool):
             raise ValueError(f"copy_gradients must be True or False, got {self.copy_gradients!r}")
+        if self.local_dir is not None and (not isinstance(self.local_dir, str) or not self.local_dir):
+            raise ValueError(f"local_dir must be 'auto', a folder or None, got {self.local_dir!r}")
         if self.compression not in ("auto", "zstd", "none"):
             raise ValueError(f"compression must be 'auto', 'zstd' or 'none', got {self.compression!r}")
 

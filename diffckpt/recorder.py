@@ -28,6 +28,7 @@ from .leases import copy_tensors
 from .lifecycle.compaction import training_device
 from .lifecycle.footprint import projection
 from .lifecycle.maintenance import Maintenance
+from .localtier import merge_for_rank
 from .locate import Located, locate
 from .options import BY_BYTES, CheckpointOptions
 from .policies import IntervalPolicy, StepContext, bytes_interval
@@ -310,6 +311,11 @@ class Recorder:
         params = [tree["model"][n] for n in names]
         nbytes = tree_nbytes(tree)
         writer.put_base(step, tree, params, nbytes, HostStage.mark((tree, params)))
+        if writer.journal is not None and writer.durable_step is None:
+            # The session's first base: its journal continues nothing durable until the base is,
+            # so training waits for it once, or a crash just after a resume would lose every step
+            # since (the node-local tier's promise, docs/storage.md).
+            writer.flush()
         self._last_base, self._base_nbytes = step, nbytes
         self.tuning.based(step, nbytes)
         done = time.perf_counter()
@@ -411,6 +417,8 @@ class Recorder:
             ReplayMismatchError: replay diverged from the fingerprints recorded in training;
                 ``module`` and ``optimizers`` are then partly replayed and must not be used.
         """
+        if located is None:  # what a crashed session journaled on this node counts too
+            merge_for_rank(self.storage, self.options.local_dir, rank)
         loc = located if located is not None else locate(self.storage, step)
         with self.capture.paused() if self.capture else contextlib.nullcontext():
             result, timing = restore_live(loc, module, optimizers, verify=verify, compressor=compressor, rank=rank)

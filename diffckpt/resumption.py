@@ -20,6 +20,7 @@ from .codecs.compressor import GradientCompressor
 from .coordination import Coordination
 from .errors import CheckpointNotFoundError, DiffCkptError
 from .liveload import load_into_live, modules_of
+from .localtier import merge_for_rank
 from .locate import Located, locate
 from .planning import plan
 from .reassembly import replay_rank
@@ -43,6 +44,7 @@ class Resumption:
     def resume(self, recorder: Recorder, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
                step: int | None, compressor: GradientCompressor | None, missing_ok: bool) -> ReplayResult | None:
         """See :meth:`diffckpt.CheckpointEngine.resume`."""
+        self.take_local_tier(recorder)
         here: dict[str, Located] = {}  # rank 0's location, whose listing its restore reuses
         found = self.coord.decided(lambda: self._locate(recorder, step, missing_ok, here), "restore",
                                    then="no process was restored")
@@ -73,8 +75,17 @@ class Resumption:
             return None
         return self._restore_here(recorder, module, optimizers, settled[1], compressor, False, None)
 
+    def take_local_tier(self, recorder: Recorder) -> None:
+        """The node-local tier first, on every rank: what a crashed session journaled on this node
+        becomes durable in the run root, so that the one restore path sees it (and, sharded, a step
+        counts only once every rank has it)."""
+        merge_for_rank(recorder.storage, recorder.options.local_dir, self.coord.rank)
+        if self.coord.world_size > 1:
+            self.coord.collective.barrier()
+
     def newest_step(self, recorder: Recorder) -> int | None:
         """See :meth:`diffckpt.CheckpointEngine.newest_step`."""
+        self.take_local_tier(recorder)  # the step a framework then resumes counts the local tier
         def newest() -> int | None:
             try:
                 loc = locate(recorder.storage)

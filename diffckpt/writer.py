@@ -28,6 +28,7 @@ from .checksums import fingerprint
 from .committer import Committer
 from .errors import DiffCkptError, StorageUnavailableError
 from .format import BaseName, base_commit
+from .journal import place_for, remove_folder
 from .leases import Lease
 from .openseg import OpenSegment
 from .options import CheckpointOptions
@@ -74,7 +75,6 @@ class BackgroundWriter:
         self.store = store
         self.gen = gen
         self.options = options
-        self.meter = meter
         # Records per segment; the auto-tuner changes it through retarget() while training runs.
         self.write_batch = write_batch if write_batch is not None else int(options.write_batch)
         self._cut_next = False
@@ -97,6 +97,11 @@ class BackgroundWriter:
         # exact, half the bytes, and far cheaper than zstd finding the zero halves (replay casts
         # every gradient to its parameter's dtype, format.md section 6)
         self.narrow_grads = narrow_grads
+        # The node-local tier: each open segment's records journaled beside its spool, and at most
+        # one record handed over and not journaled, so a process crash loses at most that step.
+        self.journal = place_for(options.local_dir, store.storage.url)
+        self.journaled_step: int | None = None  # the newest step in the local tier
+        self._records_in = self._records_out = 0  # records handed over / appended (or failed)
         self.outage = Outage(store.storage.url, options, self.stats)
         self._committer = Committer(store, gen, self.storage, fence, self._abandon, self.outage, self.stats,
                                     meter, options.retry.max_backoff_s, lambda: self._queued_bytes, self._fail)
@@ -109,6 +114,15 @@ class BackgroundWriter:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"diffckpt-writer-g{gen}", daemon=True)
         self._thread.start()
+
+    @property
+    def meter(self) -> Meter | None:
+        """What times the writes for the auto-tuner (set once tuning starts)."""
+        return self._committer.meter
+
+    @meter.setter
+    def meter(self, meter: Meter | None) -> None:
+        self._committer.meter = meter
 
     @property
     def durable_step(self) -> int | None:
@@ -210,24 +224,31 @@ class BackgroundWriter:
                 self._committer.thread.join(max(0.0, deadline - time.monotonic()))
             if abandoned and reason:
                 self._log_abandoned(reason)
+        if abandoned or self._error is not None:  # the local tier keeps what the run root did not get
+            self._committer.keep_waiting()
         if self._open is not None and not self._thread.is_alive():
             if len(self._open) and not abandoned:
                 log.info("diffckpt: %d trailing step(s) after the last restorable step were not kept",
                          len(self._open))
-            self._open.discard()
+            if abandoned or self._error is not None:
+                self._open.keep()
+            else:
+                self._open.discard()
             self._open = None
+        if self.journal is not None and not self._committer.in_flight:
+            remove_folder(self.journal.folder)
         return self.durable_step
 
     def _log_abandoned(self, reason: str) -> None:
         durable, url = self.durable_step, self.store.storage.url
         lost = f"steps {(durable or 0) + 1}..{self.last_step}" if self.last_step > (durable or 0) else "no step"
-        if self._committer.in_flight:
-            log.error("diffckpt: gave up the final flush (%s): durable up to step %s in %s; an upload still in "
-                      "flight may yet make more steps durable; the others of %s are lost", reason, durable, url,
-                      lost)
-        else:
-            log.error("diffckpt: gave up the final flush (%s): durable up to step %s in %s; %s were not written "
-                      "and are lost", reason, durable, url, lost)
+        landing = " (an upload still in flight may yet make some of them durable)" if self._committer.in_flight else ""
+        log.error("diffckpt: gave up the final flush (%s): durable up to step %s in %s; %s were not written "
+                  "and are lost%s", reason, durable, url, lost, landing)
+        kept = self.journaled_step
+        if self.journal is not None and kept is not None and kept > (durable or 0):
+            log.warning("diffckpt: of those, steps %d..%d are kept in the local tier on this host (%s): a resume on this "
+                        "node takes them back into %s", (durable or 0) + 1, kept, self.journal.folder, url)
 
     def check(self) -> None:
         """Re-raise the first background error, if any."""
@@ -245,11 +266,12 @@ class BackgroundWriter:
         self._raise_if_failed()
         if self._closed:
             raise DiffCkptError("the checkpoint writer is closed; create a new one to write more")
-        if self.before_wait is not None and self._must_wait(nbytes):
+        behind = kind == "record" and self.journal is not None  # waits for the record before it
+        if self.before_wait is not None and self._must_wait(nbytes, behind):
             self.before_wait()  # about to wait: the writer may be waiting for a lease
         with self._cond:
             start = warned = None
-            while self._must_wait(nbytes):
+            while self._must_wait(nbytes, behind):
                 if self._error is not None:
                     break
                 self.outage.raise_if(f"the checkpoint buffer is full ({format_bytes(self._queued_bytes)}, "
@@ -273,15 +295,20 @@ class BackgroundWriter:
             if start is not None:
                 self.stats.stall_seconds += time.monotonic() - start
             self._queue.append((kind, item, nbytes))
+            self._records_in += kind == "record"
             self._queued_bytes += nbytes
             self.stats.peak_held_bytes = max(self.stats.peak_held_bytes, self._queued_bytes)
             self._cond.notify_all()
         self._raise_if_failed()
 
-    def _must_wait(self, nbytes: int) -> bool:
+    def _must_wait(self, nbytes: int, behind: bool = False) -> bool:
         """Whether handing over ``nbytes`` now would hold more than ``max_pending_bytes``; a
         record larger than the bound waits only until what is held is within it, so the writer
-        never holds more than the bound plus one record."""
+        never holds more than the bound plus one record. ``behind``: also while a record handed
+        over before is not journaled, unless storage is in an outage: then records wait in
+        memory, within the bound, as without a journal, so that training rides out the outage."""
+        if behind and self._records_in > self._records_out and self.outage.since is None:
+            return True
         bound = self.options.max_pending_bytes
         if not nbytes:  # a flush, a call, a retarget: they hold nothing (a flush waits anyway)
             return False
@@ -345,13 +372,17 @@ class BackgroundWriter:
             for event in record["events"]:
                 if "grads" in event:
                     event["grads"] = [[None if g is None else narrowed(g) for g in group] for group in event["grads"]]
-        if self._open is None:
-            self._open = OpenSegment(self.storage, self.gen, self._after, self.options.compression,
-                                     self.options.compression_level)
         try:
+            if self._open is None:
+                self._open = OpenSegment(self.storage, self.gen, self._after, self.options.compression,
+                                         self.options.compression_level, journal=self.journal)
             self._open.add(record)  # a full disk: a StorageError naming the spool's folder
+            self.journaled_step = record["step"] if self.journal is not None else None
         finally:
             self.stage.release(staged)
+            with self._cond:
+                self._records_out += 1
+                self._cond.notify_all()
         if record.get("state") is not None and (self._cut_next or len(self._open) >= self.write_batch):
             self._cut_next = False
             self._write_segment(wait=False)
@@ -372,7 +403,6 @@ class BackgroundWriter:
             name, self._open = segment.finish(cut)
             if self.meter is not None:
                 self.meter.add_segment(raw, segment.spool.size, segment.encode_s)
-            self._committer.settle()
             self._after = name.last
             self._committer.start(segment, name, cut, raw)
         if wait:

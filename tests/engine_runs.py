@@ -96,10 +96,10 @@ def train(dirpath: Any, steps: int = 13, maker: Maker = make, every: int = 1,
     return truth, engine.close()
 
 
-def restore(dirpath: Any, step: int | None = None, maker: Maker = make, **kwargs: Any
-            ) -> tuple[ReplayResult, torch.nn.Module, list[torch.optim.Optimizer]]:
+def restore(dirpath: Any, step: int | None = None, maker: Maker = make, options: CheckpointOptions | None = None,
+            **kwargs: Any) -> tuple[ReplayResult, torch.nn.Module, list[torch.optim.Optimizer]]:
     module, optimizers = maker()
-    result = CheckpointEngine(dirpath).restore(module, optimizers, step, **kwargs)
+    result = CheckpointEngine(dirpath, options).restore(module, optimizers, step, **kwargs)
     return result, module, optimizers
 
 

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import posixpath
 from typing import Any
 
 from ..lifecycle.retention import GcPlan, RetentionPolicy, apply_gc, plan_gc, recorded_policy
+from ..localtier import LocalTier, read_local_tier
+from ..shardedrun import ShardedRun
 from ..units import format_bytes, parse_age, parse_duration, parse_positive
 from .common import Progress, open_run, table
 
@@ -24,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep everything written within AGE (e.g. 12h, 7d)")
     p.add_argument("--min-age", type=parse_age, default=3600.0, metavar="AGE",
                    help="remove leftovers of interrupted writes once this old (default 1h)")
+    p.add_argument("--local-dir", default="auto", metavar="DIR",
+                   help="also remove this host's journals of the run (its node-local tier, "
+                        "CheckpointOptions.local_dir) that no resume can use; 'none' to leave them (default: auto)")
     p.add_argument("--apply", action="store_true", help="delete (default: dry run, only show what would go)")
 
 
@@ -70,17 +77,47 @@ def _render_gc(plan: GcPlan, policy: RetentionPolicy, source: str, applied: bool
     return "\n".join(lines)
 
 
+def _local_tiers(args: argparse.Namespace, store: Any) -> list[LocalTier]:
+    """What this host's journals hold of the run's streams (root and ranks)."""
+    if args.local_dir == "none":
+        return []
+    run = ShardedRun(store.storage)
+    ranks = sorted({int(p.split("/")[1][1:]) for p in store.storage.list("ranks/") if p.count("/") >= 2
+                    and p.split("/")[1][1:].isdigit()})
+    return [read_local_tier(s, args.local_dir, fence=store.storage) for s in [store] + [run.stream(r) for r in ranks]]
+
+
+def _spare(plan: GcPlan, spools: set[str]) -> None:
+    """Keep the spools on a local run root that a resume on this host can still take back."""
+    for sub in [plan, *plan.streams.values()]:
+        sub.leftovers = [x for x in sub.leftovers if posixpath.basename(x.path) not in spools]
+
+
 def run(args: argparse.Namespace) -> int:
     """Plan what the policy no longer keeps; delete it with ``--apply``."""
     store, _, _ = open_run(args)
     policy, source = _policy(args, store)
     plan = plan_gc(store, policy)
+    tiers = _local_tiers(args, store)
+    # journals no resume can use go; the spools of those a resume can use stay, however old
+    journals = [j for t in tiers for j in t.stale + (t.used if t.step is None else [])]
+    _spare(plan, {os.path.basename(j.spool) for t in tiers if t.step is not None for j in t.used})
     if args.apply and plan.objects:
         with Progress("deleting", unit="file") as bar:
             apply_gc(store, plan, bar.update_to)
         plan.applied = True
+    if args.apply:
+        for journal in journals:
+            journal.remove()
     if args.json:
-        print(json.dumps({**plan.to_json(), "policy": _describe_policy(policy)}, indent=2))
+        print(json.dumps({**plan.to_json(), "policy": _describe_policy(policy),
+                          "local_journals": [j.path for j in journals]}, indent=2))
     else:
-        print(_render_gc(plan, policy, source, plan.applied))
+        text = _render_gc(plan, policy, source, plan.applied)
+        if journals:
+            verb = "deleted" if args.apply else "would delete"
+            text += (f"\n{verb} {len(journals)} journal{'s' * (len(journals) != 1)} of this host's local tier "
+                     "that no resume can use (a superseded session's, or already in the run root):\n"
+                     + "\n".join(f"  {j.path}" for j in journals))
+        print(text)
     return 0

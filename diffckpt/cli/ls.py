@@ -1,5 +1,6 @@
 """``diffckpt ls URL``: a run's sessions (with the settings they ran with and what the auto-tuner
-chose), its bases and segments, the sizes they take, and how to resume its newest durable step."""
+chose), its bases and segments, the sizes they take, how to resume its newest durable step, and
+which tier holds which steps: the run root, or the node-local tier of this host (``--local-dir``)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,20 @@ from typing import Any
 from ..errors import DiffCkptError
 from ..format import BaseName, decode_commit
 from ..inventory import Inventory
+from ..localtier import read_local_tier
 from ..policyoptions import BY_BYTES
 from ..runstore import RunStore
 from ..units import format_bytes, format_duration
 from .common import open_run, table, when
 from .sharded import describe_streams, open_sharded, render_streams
 
-__all__ = ["describe", "render", "run"]
+__all__ = ["add_arguments", "describe", "render", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--local-dir", default="auto", metavar="DIR",
+                        help="where the run's node-local tier is kept on this host (CheckpointOptions.local_dir; "
+                             "default: auto, the system temporary folder)")
 
 
 def _flat(options: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
@@ -83,8 +91,21 @@ def _every(options: dict[str, Any]) -> str:
     return f" every {n}" if isinstance(n, int) and n > 1 else ""
 
 
-def describe(store: RunStore, inv: Inventory) -> dict[str, Any]:
-    """Everything ``ls`` shows, as plain JSON-able data (``--json`` prints it as is)."""
+def _local(store: RunStore, local_dir: str | None, streams: list[tuple[str, RunStore]]) -> list[dict[str, Any]]:
+    """What the node-local tier of this host holds of each stream beyond the run root."""
+    out = []
+    for name, stream in streams:
+        tier = read_local_tier(stream, local_dir, fence=store.storage)
+        if tier.step is not None or tier.live:
+            out.append({"stream": name, "gen": tier.gen, "after": tier.after, "step": tier.step,
+                        "bytes": sum(e["length"] for _, _, e in tier.records),
+                        "in_use": [j.pid for j in tier.live], "journals": len(tier.used) + len(tier.stale)})
+    return out
+
+
+def describe(store: RunStore, inv: Inventory, local_dir: str | None = None) -> dict[str, Any]:
+    """Everything ``ls`` shows, as plain JSON-able data (``--json`` prints it as is).
+    ``local_dir``: look for the node-local tier there too (``CheckpointOptions.local_dir``)."""
     url, sizes = store.storage.url.rstrip("/"), inv.sizes
     sessions = []
     for gen in sorted(set(inv.sessions) | {b.gen for b in inv.bases}):
@@ -126,6 +147,9 @@ def describe(store: RunStore, inv: Inventory) -> dict[str, Any]:
     sharded = open_sharded(store, inv)
     if sharded is not None:  # sharded sessions: their steps are durable in the ranks' streams
         describe_streams(d, sharded)
+    if local_dir is not None:
+        streams = [("root", store)] + [(f"rank {st.rank}", st.store) for st in (sharded.streams if sharded else [])]
+        d["local_tier"] = _local(store, local_dir, streams)
     return d
 
 
@@ -141,7 +165,17 @@ def render(d: dict[str, Any]) -> str:
                 f"ranks): {how}")
     else:
         head = f'newest durable step {newest["step"]} (g{newest["gen"]}): {how}'
-    lines = [f"run {url}", head, "", "sessions"]
+    lines = [f"run {url}", head]
+    for tier in d.get("local_tier", []):  # which tier holds which steps: what each failure loses
+        where = "" if tier["stream"] == "root" else f" ({tier['stream']})"
+        if tier["step"] is not None:
+            lines.append(f"local tier on this host{where}: steps {tier['after'] + 1}..{tier['step']} of g{tier['gen']} "
+                         f"({format_bytes(tier['bytes'])}) are not in the run root yet: a resume on this host takes "
+                         "them back; the loss of this host loses them")
+        if tier["in_use"]:
+            lines.append(f"local tier on this host{where}: being written by process "
+                         + ", ".join(str(p) for p in tier["in_use"]))
+    lines += ["", "sessions"]
     lines += table(["gen", "started", "resumed_from", "durable", "newest", "ckpt_path"], [
         [f"g{s['gen']}", "damaged" if s["damaged"] else when(s["started"]), str(s["resumed_from"]),
          (", ".join(f"{lo}..{hi}" for lo, hi in s["durable"]) or "-") + _every(s["options"]),
@@ -190,6 +224,6 @@ def _resume_hints(framework: str, url: str) -> tuple[str, str]:
 
 def run(args: argparse.Namespace) -> int:
     """Print the run named by ``args.url``: as text, or as JSON with ``--json``."""
-    d = describe(*open_run(args)[:2])
+    d = describe(*open_run(args)[:2], local_dir=None if args.local_dir == "none" else args.local_dir)
     print(json.dumps(d, indent=2) if args.json else render(d))
     return 0

@@ -121,13 +121,14 @@ class FsspecStorage:
     def _full(self, path: str) -> str:
         return f"{self.root}/{path}" if path else self.root
 
-    def spool(self, hint: str) -> Spool:
+    def spool(self, hint: str, folder: str | None = None) -> Spool:
         """A spool for an object to be written at a path like ``hint``. On local disk it is a
         hidden ``.tmp`` file in the target's directory, so that :meth:`write` commits it with a
         rename, and a writer killed before that leaves a temporary file that garbage collection
-        recognises. Elsewhere it is in the system temporary folder (:func:`temporary_spool`)."""
+        recognises. Elsewhere it is in ``folder`` (a journal's), else in the system temporary
+        folder (:func:`temporary_spool`)."""
         if not self.local:
-            return temporary_spool(hint)
+            return temporary_spool(hint, folder)
         full = self._full(hint)
         directory = os.path.dirname(full)
         try:

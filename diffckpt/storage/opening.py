@@ -63,8 +63,8 @@ class _Explained:
     def ranged(self) -> bool:
         return ranged(self.inner)
 
-    def spool(self, hint: str) -> Spool:
-        return self._call("write", hint, lambda p: open_spool(self.inner, p))
+    def spool(self, hint: str, folder: str | None = None) -> Spool:
+        return self._call("write", hint, lambda p: open_spool(self.inner, p, folder))
 
     def list(self, prefix: str) -> dict[str, int]:
         return self._call("list", prefix, self.inner.list)

@@ -50,8 +50,8 @@ class Prefixed:
     def ranged(self) -> bool:
         return ranged(self.inner)
 
-    def spool(self, hint: str) -> Spool:
-        return open_spool(self.inner, self.prefix + hint)
+    def spool(self, hint: str, folder: str | None = None) -> Spool:
+        return open_spool(self.inner, self.prefix + hint, folder)
 
     def list(self, prefix: str) -> dict[str, int]:
         return self._strip(self.inner.list(self.prefix + prefix))

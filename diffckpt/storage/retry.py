@@ -151,10 +151,10 @@ class RetryingStorage:
     def ranged(self) -> bool:
         return ranged(self.inner)
 
-    def spool(self, hint: str) -> Spool:
+    def spool(self, hint: str, folder: str | None = None) -> Spool:
         """The wrapped storage's spool. Not retried: it is a local file, whose failures (a full
         disk, permissions) do not go away by themselves. A write of it is retried from its start."""
-        return open_spool(self.inner, hint)
+        return open_spool(self.inner, hint, folder)
 
     def list(self, prefix: str) -> dict[str, int]:
         return self._call(f"list {self.url}/{prefix}", lambda: self.inner.list(prefix))

@@ -31,7 +31,7 @@ from ..errors import StorageError
 if TYPE_CHECKING:  # protocol.py imports this module (Data includes Spool): no import back at run time
     from .protocol import Buffer
 
-__all__ = ["SPOOL_FOLDER", "Spool", "open_spool", "ranged", "read_range", "remove_dead_spools", "temporary_spool"]
+__all__ = ["SPOOL_FOLDER", "Spool", "open_spool", "process_alive", "ranged", "read_range", "remove_dead_spools", "temporary_spool"]
 
 SPOOL_FOLDER = "diffckpt-spool"
 """The folder, in the system temporary folder, of the spools of storages that have no place of
@@ -126,6 +126,10 @@ class Spool:
         """Make what was appended durable (``fsync``), before the file is renamed to an object."""
         os.fsync(self._file.fileno())
 
+    def close(self) -> None:
+        """Close the file and keep it: a journal names it, for a resume on this node."""
+        self._file.close()
+
     def discard(self) -> None:
         """Close the file and remove it; again, or after a commit renamed it, it does nothing."""
         self._file.close()
@@ -172,20 +176,25 @@ def _failed(action: str, spool: Spool | str, exc: OSError) -> StorageError:
     return StorageError(f"cannot {action} the spool file {path}: {exc}{hint}")
 
 
-def temporary_spool(hint: str) -> Spool:
+def temporary_spool(hint: str, folder: str | None = None) -> Spool:
     """A spool in the ``diffckpt-spool`` folder of the system temporary folder, for an object that
     will be written at a path like ``hint``.
 
     Its name starts with this process's id. Before it is created, the spools there of processes
     that no longer run on this host are removed, so that what a ``kill -9`` leaves behind does
-    not add up.
+    not add up. ``folder``: a journal's folder instead (``journal.py``), whose spools outlive
+    their process until a resume merges them or garbage collection removes them.
     """
-    folder = os.path.join(tempfile.gettempdir(), SPOOL_FOLDER)
+    shared = folder is None
+    folder = os.path.join(tempfile.gettempdir(), SPOOL_FOLDER) if folder is None else folder
     name = re.sub(r"[^A-Za-z0-9._-]", "_", os.path.basename(hint.rstrip("/")))[-120:]
     path = os.path.join(folder, f"{os.getpid()}-{uuid.uuid4().hex[:8]}-{name}.tmp")
     try:
-        _make_folder(folder)
-        remove_dead_spools(folder)
+        if shared:
+            _make_folder(folder)
+            remove_dead_spools(folder)
+        else:
+            os.makedirs(folder, mode=0o700, exist_ok=True)
         return Spool(path, temporary=True)
     except OSError as exc:
         raise _failed("create", path, exc) from exc
@@ -207,12 +216,13 @@ def remove_dead_spools(folder: str) -> None:
         return
     for name in names:
         pid = name.split("-", 1)[0]
-        if name.endswith(".tmp") and pid.isdigit() and not _alive(int(pid)):
+        if name.endswith(".tmp") and pid.isdigit() and not process_alive(int(pid)):
             with contextlib.suppress(OSError):  # gone already, or another user's
                 os.unlink(os.path.join(folder, name))
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this host (this process counts as running)."""
     if pid == os.getpid() or os.name != "posix":  # on Windows, os.kill(pid, 0) ends the process
         return True
     try:
@@ -224,12 +234,16 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def open_spool(storage: Any, hint: str) -> Spool:
+def open_spool(storage: Any, hint: str, folder: str | None = None) -> Spool:
     """A spool for an object that will be written at a path like ``hint`` (e.g.
     ``"diffs/000000000012-open.g000001.seg"``): ``storage.spool(hint)`` where the storage has
-    that method, otherwise a spool in the system temporary folder (:func:`temporary_spool`)."""
+    that method, otherwise a spool in the system temporary folder (:func:`temporary_spool`).
+    ``folder``: where a spool that is not beside its object goes instead of the temporary folder
+    (a journal's folder)."""
     make = getattr(storage, "spool", None)
-    return make(hint) if callable(make) else temporary_spool(hint)
+    if not callable(make):
+        return temporary_spool(hint, folder)
+    return make(hint) if folder is None else make(hint, folder=folder)
 
 
 def read_range(storage: Any, path: str, start: int, end: int) -> bytes:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import logging
 import random
+import re
 import threading
 import warnings
 from pathlib import Path
@@ -181,12 +182,17 @@ def test_outage_with_raise_stops_training_when_the_buffer_is_full(tmp_path: Path
     with pytest.raises(StorageUnavailableError, match=r"failing for .*Connection reset by peer.* the checkpoint "
                        r"buffer is full .* durable up to step 3, steps after it are in memory only.*'block'"):
         train_steps(engine, m, o, 4, 100, truth)
-    with caplog.at_level(logging.ERROR, logger="diffckpt"):
+    with caplog.at_level(logging.WARNING, logger="diffckpt"):
         assert engine.close(timeout=0.5) == 3  # bounded: gives up and says what is lost
     assert "gave up the final flush" in _messages(caplog) and "durable up to step 3" in _messages(caplog)
+    # ... and what the node-local tier keeps of it: the steps journaled before training stopped
+    kept = re.search(r"of those, steps 4\.\.(\d+) are kept in the local tier on this host", _messages(caplog))
+    assert kept, _messages(caplog)
     storage.down.clear()
-    _assert_every_step_restores(root, truth, 3)
-    assert restore(str(root))[0].step == 3
+    assert RunStore(FsspecStorage(str(root))).inventory().newest_step(1) == 3  # the run root alone
+    assert restore(str(root), options=CheckpointOptions(local_dir=None))[0].step == 3  # another node: no journal
+    _assert_every_step_restores(root, truth, int(kept[1]))  # this node: the journal's steps too
+    assert restore(str(root))[0].step == int(kept[1])
 
 
 def test_final_flush_is_bounded_during_an_outage(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

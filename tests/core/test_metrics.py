@@ -86,3 +86,16 @@ def test_a_fresh_start_on_a_used_root_warns_naming_its_sessions(tmp_path: Path) 
     (text,) = _warned(list(record))
     assert "g1 (newest durable step 7), g2 (newest durable step 9)" in text
     assert "new session at step 0" in text and "call restore() first" in text
+
+
+def test_the_local_tier_lags_at_most_one_step_while_the_run_root_lags_a_segment(tmp_path: Path) -> None:
+    # write_batch 8 on slow storage: the run root lags by up to a segment and more, the
+    # node-local tier by at most the step just handed over (the training thread waits for that)
+    storage = FaultyStorage(str(tmp_path / "run"), latency=0.03)
+    engine, seen = _run(storage, 20, write_batch=8, local_dir=str(tmp_path / "local"))
+    assert all({"diffckpt/local_step", "diffckpt/local_lag_steps"} <= set(m) for m in seen[1:])
+    assert max(m["diffckpt/local_lag_steps"] for m in seen[1:]) <= 1
+    assert max(m.get("diffckpt/durability_lag_steps", 0) for m in seen) > 1
+    engine.end("done")
+    _, plain = _run(tmp_path / "plain", 3, local_dir=None)  # without a journal: no local-tier keys
+    assert not any("diffckpt/local_step" in m for m in plain)

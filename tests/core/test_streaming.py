@@ -159,7 +159,8 @@ sys.path[:0] = [{tests!r}]
 from test_streaming import wide
 from diffckpt import CheckpointEngine, CheckpointOptions
 module, optimizers = wide()
-engine = CheckpointEngine({root!r}, CheckpointOptions(write_batch=100, base_every_n_steps=1000))
+engine = CheckpointEngine({root!r}, CheckpointOptions(write_batch=100, base_every_n_steps=1000,
+                                                      local_dir={local!r}))
 engine.start(module, optimizers, 0)
 engine.write_base(0, module.state_dict(), [o.state_dict() for o in optimizers], {{"x": 0}})
 engine.flush()
@@ -173,10 +174,12 @@ time.sleep(600)
 """
 
 
-def test_a_kill_during_an_open_segment_leaves_nothing_taken_for_committed(tmp_path: Path) -> None:
-    root = tmp_path / "run"
+def killed_during_an_open_segment(root: Path, local: str | None) -> None:
+    """Record steps 1-5 into an open segment (``write_batch`` 100) of a run at ``root`` in a
+    subprocess, journaled in ``local`` unless ``None``, and ``kill -9`` it once the writer has
+    appended them (step 5 waits for its lease, which only the next step would end)."""
     tests = str(Path(__file__).resolve().parent)
-    script = SPOOLING.format(tests=tests, root=str(root))
+    script = SPOOLING.format(tests=tests, root=str(root), local=local)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
                             env=subprocess_env(), start_new_session=True)
     try:
@@ -184,18 +187,38 @@ def test_a_kill_during_an_open_segment_leaves_nothing_taken_for_committed(tmp_pa
         deadline = time.monotonic() + 60
         spool: list[Path] = []
         while time.monotonic() < deadline:  # the writer appends the records to the spool
-            spool = [p for p in (root / "diffs").glob(".*.tmp") if p.stat().st_size > 5 * 100_000]
-            if spool:
+            spool = [p for p in (root / "diffs").glob(".*.tmp") if p.stat().st_size > 4 * 100_000]
+            if spool and (local is None or _journaled(root, local) >= 4):
                 break
             time.sleep(0.05)
         assert spool
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def _journaled(root: Path, local: str) -> int:
+    from diffckpt.journal import journals, place_for
+
+    place = place_for(local, FsspecStorage(str(root)).url)
+    assert place is not None
+    return max((e["step"] for j in journals(place.folder, place.url) for e in j.entries), default=0)
+
+
+@pytest.mark.parametrize("journal", [False, True])
+def test_a_kill_during_an_open_segment_leaves_nothing_taken_for_committed(tmp_path: Path, journal: bool) -> None:
+    """Nothing of an open segment is committed by the killed process; without a journal its records
+    are lost, with one (the node-local tier) a resume here takes back all but at most the last."""
+    root = tmp_path / "run"
+    local = str(tmp_path / "local") if journal else None
+    killed_during_an_open_segment(root, local)
     store = RunStore(FsspecStorage(str(root)))
     assert store.inventory().segments == []
-    result, _, _ = restore(root, maker=wide)
-    assert result.step == 0
+    module, optimizers = wide()
+    result = CheckpointEngine(root, CheckpointOptions(local_dir=local)).restore(module, optimizers)
+    assert result.step == 0 if not journal else result.step >= 4
+    # the journal's records are committed to the run root as a segment of the crashed session
+    assert [(s.after, s.last, s.gen) for s in store.inventory().segments] == ([(0, result.step, 1)] if journal else [])
     collect_garbage(store.storage, RetentionPolicy(min_age_s=0), dry_run=False)
     assert not list((root / "diffs").glob(".*"))
 

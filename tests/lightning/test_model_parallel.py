@@ -8,6 +8,7 @@ the full tensors. The strategies diffckpt cannot record are refused at setup, sa
 from __future__ import annotations
 
 import random
+import re
 import types
 
 import pytest
@@ -77,8 +78,11 @@ def test_kill9_then_resume_last_is_bitwise_identical_on_every_rank(killed_and_re
     assert "Restoring states from the checkpoint path" in k.log
     restored = [line for line in k.log.splitlines() if "diffckpt: restored step" in line]
     assert len(restored) == 2, k.log[-3000:]  # each rank replayed its own stream
-    assert f"restored step {k.after_kill['step']} " in restored[0]
-    _same_on_every_rank(reference[0], k.resumed, f"killed at step {k.kill_at}, resumed from {k.after_kill['step']}")
+    # the run root held after_kill on every rank; each rank's journal (the node-local tier) may
+    # add the steps its stream had not committed yet, and a step counts once every rank has it
+    step = int(re.search(r"restored step (\d+) ", restored[0])[1])  # type: ignore[index]
+    assert f"restored step {step} " in restored[1] and k.after_kill["step"] <= step <= k.kill_at, (restored, k.kill_at)
+    _same_on_every_rank(reference[0], k.resumed, f"killed at step {k.kill_at}, resumed from {step}")
     # ModelCheckpoint's saves became references (on every rank's call, rank 0 wrote), no DCP.
     refs = sorted(p.name for p in k.mc.iterdir())
     assert refs and all(p.is_file() for p in k.mc.iterdir()), refs

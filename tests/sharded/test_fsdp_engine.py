@@ -130,21 +130,6 @@ def test_kill_between_rank_0s_and_rank_1s_part_of_a_base(reference, tmp_path):
     assert_same_pieces(reference, tmp_path / "b")
 
 
-def test_a_rank_whose_stream_lags_sets_the_restored_step(reference, tmp_path):
-    root = tmp_path / "run"
-    log = _run_until([str(tmp_path / "a"), "--steps", str(STEPS), "--root", str(root),
-                      "--stall", "1:diffs/000000000004-"],
-                     lambda: len(list((root / "ranks/r00000/diffs").glob("*-000000000008.g000001.seg"))) > 0)
-    assert "STALLED ranks/r00001/diffs/000000000004-" in log
-    run = ShardedRun(open_storage(root))
-    newest = [inv.newest_step(1) for inv in run.inventories(2)]
-    assert newest[0] >= 8 and newest[1] == 4, newest
-    assert run.resolve().step == 4  # the newest step durable on every rank
-    log = train(tmp_path / "b", STEPS, "--root", str(root), "--resume")
-    assert "STEP 5\n" in log and "STEP 4\n" not in log
-    assert_same_pieces(reference, tmp_path / "b")
-
-
 def test_one_ranks_damaged_or_missing_segment(reference, tmp_path):
     root = tmp_path / "run"
     train(tmp_path / "a", 10, "--root", str(root))

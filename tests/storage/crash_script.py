@@ -3,12 +3,17 @@
 Modes:
 - ``truth``: train ``--steps`` steps without diffckpt; save every step's true state to ``--out``.
 - ``train``: train with a :class:`CheckpointEngine` writing to ``--url``. Prints ``STEP n`` after
-  each step, ``DURABLE n`` whenever the durable step advances, and ``BEGIN``/``END`` around every
+  each step (once ``record_step(n)`` and any base of step ``n`` were handed over: with the
+  journal on, the record of step ``n - 1`` is then in the node-local tier), ``DURABLE n``
+  whenever the durable step advances, and ``BEGIN``/``END`` around every
   storage write, so the test knows what was in flight when it killed the process. With
   ``--pause-after PATTERN`` it stops forever after writing a matching object (``PAUSED path``);
   with ``--pause-before PATTERN`` before writing one.
 - ``resume``: restore the newest durable step, check it bitwise against ``--truth``, train on to
   ``--steps`` in a new session, check the end state again, print ``RESTORED n`` and ``OK``.
+
+``--local-dir``: the engine's ``CheckpointOptions.local_dir`` (a folder, ``auto``, or ``none``: no
+journal); a resume must name the folder the killed process used to take its journal back.
 
 Every step's batch comes from a generator seeded with the step number, so any resume sees the
 data the uninterrupted run saw.
@@ -76,6 +81,7 @@ class Tracing:
     def __init__(self, inner: FsspecStorage, pause_before: str | None, pause_after: str | None) -> None:
         self.inner = inner
         self.url = inner.url
+        self.local = inner.local
         self.before = re.compile(pause_before) if pause_before else None
         self.after = re.compile(pause_after) if pause_after else None
 
@@ -89,6 +95,10 @@ class Tracing:
         if self.after is not None and self.after.search(path):
             say(f"PAUSED after {path}")
             time.sleep(3600)
+
+    def spool(self, hint: str, folder: str | None = None) -> Any:
+        # as the storage places it: on a local run root beside its segment (committed by a rename)
+        return self.inner.spool(hint, folder)
 
     def create(self, path: str, data: bytes) -> bool:
         return self.inner.create(path, data)
@@ -107,8 +117,9 @@ class Tracing:
 
 
 def options(args: argparse.Namespace) -> CheckpointOptions:
+    local_dir = None if args.local_dir == "none" else args.local_dir
     return CheckpointOptions(write_batch=args.write_batch, base_every_n_steps=args.base_every,
-                             fingerprint_every_n_steps=3,
+                             fingerprint_every_n_steps=3, local_dir=local_dir,
                              retry=RetryPolicy(budget_s=20, initial_backoff_s=0.05, max_backoff_s=0.5))
 
 
@@ -135,6 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--write-batch", type=int, default=4)
     p.add_argument("--base-every", type=int, default=10)
     p.add_argument("--part-size", type=int, default=32 << 20)
+    p.add_argument("--local-dir", default="auto", help="a folder, 'auto' (TMPDIR) or 'none' (no journal)")
     p.add_argument("--pause-before")
     p.add_argument("--pause-after")
     p.add_argument("--truth")

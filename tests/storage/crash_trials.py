@@ -1,12 +1,16 @@
 """Crash-consistency trials: train in a subprocess, ``kill -9`` it at a chosen or random instant,
-then check what is on storage and resume from it in a fresh process.
+then check what is on storage and resume from it (in this process, as a fresh job would).
 
 A trial passes when:
 - every committed object passes ``diffckpt verify`` (no torn or partial object is visible);
 - the resumed process restores a step at least as new as the last one the killed process
-  reported durable, and at most one step newer than the last one it finished;
+  reported durable, and at most one step newer than the last one it finished (``STEP n``);
+- with the node-local tier on (``Trial.local_dir``), it loses at most one step: it restores at
+  least the step before the last one it finished, whatever ``write_batch`` and storage, since
+  ``record_step(n)`` returns only once the record of step ``n - 1`` is journaled;
 - the restored state is bitwise the uninterrupted run's state at that step, and training on from
-  it ends bitwise where the uninterrupted run ended (checked inside ``crash_script.py resume``).
+  it ends bitwise where the uninterrupted run ended (checked inside ``crash_script.py resume``);
+- once the resumed run ended, no journal is left in the trial's local folder.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import contextlib
 import io
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -29,6 +34,7 @@ import torch
 from helpers import subprocess_env
 
 from diffckpt import cli
+from diffckpt.journal import JOURNAL_FOLDER, read_journal
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "crash_script.py")
 STEPS = 40
@@ -40,9 +46,11 @@ WRITE_BATCH = 4
 class Trial:
     """Where to write and when to kill.
 
-    ``kill``: ``("random", seed)``; ``("pause-before"|"pause-after", regex)`` stops the writer
-    around a matching write and kills then; ``("proxy", regex, body_bytes)`` holds a matching
-    PUT in the fault proxy after that many body bytes (mid-upload) and kills then.
+    ``kill``: ``("random", seed)``; ``("pause-before"|"pause-after", regex[, line])`` stops the
+    writer around a matching write and kills then (once the process also printed ``line``, if
+    given: training has run on as far as it can); ``("proxy", regex, body_bytes)`` holds a
+    matching PUT in the fault proxy after that many body bytes (mid-upload) and kills then.
+    ``local_dir``: the folder of the node-local tier (``None``: no journal).
     """
 
     name: str
@@ -51,15 +59,25 @@ class Trial:
     kill: tuple[Any, ...]
     proxy: Any = None  # FaultProxy for ("proxy", ...) kills
     forward_after_kill: bool = False  # let the held request reach S3 after the writer died
+    local_dir: str | None = None
+    write_batch: int = WRITE_BATCH
+    base_every: int = BASE_EVERY
 
 
 @dataclass
 class Outcome:
     phase: str
-    last_step: int
+    last_step: int  # the newest step the killed process finished (printed STEP for)
     last_durable: int | None
     restored: int | None
     lines: list[str] = field(default_factory=list)
+    journal: bool = False
+    backend: str = ""
+
+    @property
+    def lost(self) -> int:
+        """Steps the killed process finished that the resume did not restore."""
+        return max(0, self.last_step - (self.restored or 0))
 
 
 def truth_file(directory: str) -> str:
@@ -79,7 +97,7 @@ def _run(args: list[str], env: dict[str, str]) -> str:
 def _phase(lines: list[str], kill: tuple[Any, ...]) -> str:
     """What the killed process was doing: the write in flight, if any."""
     if kill[0] != "random":
-        return f"{kill[0]} {kill[1]}"
+        return f"{kill[0]} {re.sub(r'^/t[0-9]+/', '/', kill[1])}"  # the soak's trials share a bucket
     open_writes: dict[str, None] = {}
     for line in lines:
         if line.startswith("BEGIN "):
@@ -93,12 +111,24 @@ def _phase(lines: list[str], kill: tuple[Any, ...]) -> str:
     return f"writing a {kind}"
 
 
+def journals_left(local_dir: str) -> list[str]:
+    """The readable journals under ``local_dir`` (a resume that ended leaves none)."""
+    found = []
+    for folder, _, names in os.walk(os.path.join(local_dir, JOURNAL_FOLDER)):
+        found += [os.path.join(folder, n) for n in names if n.endswith(".journal")]
+    return [p for p in found if read_journal(p) is not None]
+
+
 def run_trial(trial: Trial, truth: str) -> Outcome:
-    args = ["train", "--url", trial.url, "--write-batch", str(WRITE_BATCH), "--base-every", str(BASE_EVERY)]
+    settings = ["--write-batch", str(trial.write_batch), "--base-every", str(trial.base_every),
+                "--local-dir", trial.local_dir or "none"]
+    args = ["train", "--url", trial.url, *settings]
     handle = None
     kill = trial.kill
+    wait_for: set[str] = set()  # the lines to see before the kill (pause-*)
     if kill[0] in ("pause-before", "pause-after"):
         args += [f"--{kill[0]}", kill[1]]
+        wait_for = {"PAUSED", *kill[2:]}
     elif kill[0] == "proxy":
         handle = trial.proxy.pause("PUT", kill[1], after_body_bytes=kill[2],
                                    forward_if_client_gone=trial.forward_after_kill)
@@ -108,9 +138,16 @@ def run_trial(trial: Trial, truth: str) -> Outcome:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     lines: list[str] = []
     go = threading.Event()
+    seen: set[str] = set()
+
+    def paused(line: str) -> bool:
+        line = line.rstrip("\n")
+        seen.update(["PAUSED"] if line.startswith("PAUSED ") else [line] if line in wait_for else [])
+        return bool(wait_for) and seen == wait_for  # (a proxy's kill waits for its handle)
+
     when: Callable[[str], bool] = (
         (lambda line: line.startswith("STEP ") and int(line.split()[1]) >= kill_step) if kill_step is not None
-        else (lambda line: line.startswith("PAUSED ")))
+        else paused)
 
     def read() -> None:
         assert proc.stdout is not None
@@ -137,9 +174,13 @@ def run_trial(trial: Trial, truth: str) -> Outcome:
         handle.release()
     steps = [int(x.split()[1]) for x in lines if x.startswith("STEP ")]
     durable = [int(x.split()[1]) for x in lines if x.startswith("DURABLE ") and x.split()[1] != "None"]
-    outcome = Outcome(_phase(lines, kill), max(steps, default=0), max(durable, default=None), None, lines)
-    assert kill[0] == "random" or any(x.startswith("PAUSED") for x in lines) or handle is None or \
-        handle.reached.is_set(), f"{trial.name}: the kill point was never reached\n" + "\n".join(lines[-20:])
+    outcome = Outcome(_phase(lines, kill), max(steps, default=0), max(durable, default=None), None, lines,
+                      trial.local_dir is not None, "local" if "://" not in trial.url else trial.url.split("://")[0])
+    reached = seen == wait_for if wait_for else handle is None or handle.reached.is_set()
+    assert kill[0] == "random" or reached, f"{trial.name}: the kill point was never reached\n" + "\n".join(lines[-20:])
+    tracebacks = [i for i, x in enumerate(lines) if x.startswith("Traceback") or x.startswith("Exception in thread")]
+    assert not tracebacks, f"{trial.name}: the process failed before the kill ({outcome.phase}):\n" + \
+        "\n".join(lines[tracebacks[0]: tracebacks[0] + 80] if tracebacks else [])
 
     # Checked in this process, which reaches S3 directly (the proxy's faults are over).
     rc, out = _in_process(cli.main, ["verify", trial.url])
@@ -147,14 +188,18 @@ def run_trial(trial: Trial, truth: str) -> Outcome:
     assert rc == 0 or nothing, f"{trial.name}: verify failed after the kill ({outcome.phase}):\n{out}"
 
     rc, resumed = _in_process(crash_script.main, [
-        "resume", "--url", trial.url, "--truth", truth, "--steps", str(STEPS), "--write-batch",
-        str(WRITE_BATCH), "--base-every", str(BASE_EVERY)])
+        "resume", "--url", trial.url, "--truth", truth, "--steps", str(STEPS), *settings])
     restored = next(int(x.split()[1]) for x in resumed.splitlines() if x.startswith("RESTORED "))
     outcome.restored = restored
     assert "OK" in resumed.splitlines(), resumed[-3000:]
+    facts = (trial.name, outcome.phase, "restored", restored, "last step", outcome.last_step, "durable",
+             outcome.last_durable)
     if outcome.last_durable is not None:
-        assert restored >= outcome.last_durable, (trial.name, outcome.phase, restored, outcome.last_durable)
-    assert restored <= outcome.last_step + 1, (trial.name, outcome.phase, restored, outcome.last_step)
+        assert restored >= outcome.last_durable, facts
+    assert restored <= outcome.last_step + 1, facts
+    if trial.local_dir is not None:
+        assert restored >= outcome.last_step - 1, facts  # at most one step lost
+        assert journals_left(trial.local_dir) == [], facts
     return outcome
 
 
@@ -173,12 +218,16 @@ def _in_process(fn: Callable[[list[str]], Any], argv: list[str]) -> tuple[int, s
 
 
 def tally(outcomes: list[Outcome]) -> str:
-    """A table of trials per phase at the kill, and of steps lost."""
+    """A table of trials per phase at the kill, and of steps lost (finished, not restored)."""
     phases = Counter(o.phase for o in outcomes)
-    lost = Counter(max(0, o.last_step - (o.restored or 0)) for o in outcomes)
     rows = [f"{len(outcomes)} trials, all restored the newest durable step bit-exactly", "phase at kill:"]
     rows += [f"  {n:4d}  {phase}" for phase, n in phases.most_common()]
-    rows.append("steps finished but not durable at the kill (lost): " +
-                ", ".join(f"{k}: {v}" for k, v in sorted(lost.items())))
+    rows.append("steps finished but not restored (lost): trials per count")
+    for journal in (True, False):
+        for backend in sorted({o.backend for o in outcomes}):
+            lost = Counter(o.lost for o in outcomes if o.journal == journal and o.backend == backend)
+            if lost:
+                rows.append(f"  {backend}, journal {'on' if journal else 'off'}: " +
+                            ", ".join(f"{k} lost: {v}" for k, v in sorted(lost.items())))
     return "\n".join(rows)
 
