@@ -28,11 +28,11 @@ configuration in a fresh subprocess (``cost``): ``none`` (no checkpointing, the 
 disk and on S3, with ``write_batch=--cost-batch``. Timed: the first step after the warm-up until
 ``engine.close()`` returned (the final flush counts). One run each.
 
-    python bench/local_tier.py [--trials 4] [--threads 1] [--compression zstd] [--quick] [--out FILE]
+    python bench/local_tier.py [--trials 4] [--threads 1] [--compression auto] [--quick] [--out FILE]
 
-``--compression`` is ``zstd`` by default, so that every segment is encoded alike (``auto``, the
-library's default, decides per segment from a sample of its first record). ``--quick``: one
-trial, ``write_batch`` 1 and 16, 40 cost steps (about a minute).
+``--compression`` is the library's default, ``auto`` (decided per segment from a sample of its
+first record: a resume takes back a run of segments of either kind). ``--quick``: one trial,
+``write_batch`` 1 and 16, 40 cost steps (about a minute).
 
 The Markdown report goes to stdout (and to ``--out``). Torch runs ``--threads`` threads (1: a
 core left for the writer on a 2-core machine); the moto server shares the same cores, so S3
@@ -94,7 +94,7 @@ def step_once(m: Any, opts: list[Any], step: int, batch: int) -> None:
         o.step()
 
 
-COMPRESSION = "zstd"  # set from --compression in every process
+COMPRESSION = "auto"  # set from --compression in every process
 
 
 def options(write_batch: int, local_dir: str | None) -> Any:
@@ -411,8 +411,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--threads", type=int, default=1, help="torch threads of each training process")
     p.add_argument("--batch", type=int, default=64, help="training batch size")
-    p.add_argument("--compression", choices=["auto", "zstd", "none"], default="zstd",
-                   help="CheckpointOptions.compression (zstd: every segment encoded alike; auto decides per segment)")
+    p.add_argument("--compression", choices=["auto", "zstd", "none"], default="auto",
+                   help="CheckpointOptions.compression (the default, auto, decides per segment)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip", choices=["lost", "cost"], help="leave one part out")
     p.add_argument("--quick", action="store_true", help="a smoke run: 1 trial, write_batch 1 and 16, 40 cost steps")

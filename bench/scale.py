@@ -6,6 +6,7 @@ Configurations, each trained for ``--warmup`` untimed steps and then ``--steps``
 
 - ``none``: the plain loop of ``gpu_scale.py``, no checkpointing (the baseline);
 - ``diffckpt``: the same loop with ``CheckpointEngine``'s default options, a diff every step;
+  ``diffckpt-nolocal`` (optional): the same without the node-local tier (``local_dir=None``);
 - ``lightning``: a Lightning ``Trainer`` (CPU, 1 device, ``precision="bf16-mixed"``) with
   ``DiffCheckpoint`` and ``DiffCheckpointIO`` at their defaults; ``lightning-none`` (optional) is
   the same Trainer without checkpointing, to tell Lightning's own cost from diffckpt's;
@@ -65,7 +66,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
 from gpu_scale import SIZES, batches, build, dir_bytes, load_and_step, rss_peak, same, step_fn
 
 CONFIGS = ["none", "diffckpt", "lightning", "torch-save-10", "dcp-10"]
-CONFIG_RE = re.compile(r"none|diffckpt|lightning|lightning-none|torch-save-\d+|dcp-\d+")
+CONFIG_RE = re.compile(r"none|diffckpt|diffckpt-nolocal|lightning|lightning-none|torch-save-\d+|dcp-\d+")
 RESTORED = ("diffckpt", "lightning")  # the configurations whose run is restored
 BASELINE = {"lightning": "lightning-none"}  # also compared with this one when it ran
 RATIO_TARGET, RESTORE_TARGET = 1.03, 1.5
@@ -151,8 +152,8 @@ class NoSave:
 
 
 class DiffSave(NoSave):
-    def __init__(self, root: str, model: Any, opt: Any, sampler: RssSampler) -> None:
-        from diffckpt import CheckpointEngine
+    def __init__(self, root: str, model: Any, opt: Any, sampler: RssSampler, local: bool = True) -> None:
+        from diffckpt import CheckpointEngine, CheckpointOptions
 
         super().__init__(root)
 
@@ -163,7 +164,8 @@ class DiffSave(NoSave):
             def state(self, ranks: list[Any]) -> Any:
                 return {}
 
-        self.engine, self.source = CheckpointEngine(root), Source()
+        options = CheckpointOptions() if local else CheckpointOptions(local_dir=None)
+        self.engine, self.source = CheckpointEngine(root, options), Source()
         self.engine.begin(model, [opt], 0, self.source)
         sampler.probe = lambda: self.engine.recorder.writer.queued_bytes
 
@@ -283,8 +285,8 @@ def lightning_module(model: Any, opt: Any) -> Any:
 def train_loop(args: argparse.Namespace, model: Any, opt: Any, root: str, sampler: RssSampler) -> dict[str, Any]:
     config = args.config
     saver: NoSave
-    if config == "diffckpt":
-        saver = DiffSave(root, model, opt, sampler)
+    if config in ("diffckpt", "diffckpt-nolocal"):
+        saver = DiffSave(root, model, opt, sampler, local=config == "diffckpt")
     elif config.startswith("torch-save-"):
         saver = TorchSave(root, model, opt, int(config.rsplit("-", 1)[1]))
     elif config.startswith("dcp-"):
@@ -799,7 +801,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1, help="sequences per step (of the size's context length)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the training process")
     ap.add_argument("--configs", default=",".join(CONFIGS),
-                    help="comma-separated; none, diffckpt, lightning, lightning-none, torch-save-N, dcp-N")
+                    help="comma-separated; none, diffckpt, diffckpt-nolocal, lightning, lightning-none, torch-save-N, dcp-N")
     ap.add_argument("--workdir", help="parent of the run directories (default: a new temp dir, removed after)")
     ap.add_argument("--out", help="JSON path (default bench/results/scale-<size>.json)")
     ap.add_argument("--plot", help="PNG of the RSS curves (an .svg beside it without matplotlib)")
@@ -845,7 +847,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     configs = args.configs.split(",")
     bad = [c for c in configs if not CONFIG_RE.fullmatch(c)]
     if bad or "none" not in configs or len(set(configs)) != len(configs):
-        sys.exit(f"--configs: {bad or configs}: give 'none' and each configuration once, among none, diffckpt, "
+        sys.exit(f"--configs: {bad or configs}: give 'none' and each configuration once, among none, diffckpt, diffckpt-nolocal, "
                  "lightning, lightning-none, torch-save-N, dcp-N")
     if args.steps < 1 or args.warmup < 0:
         sys.exit("--steps must be at least 1 and --warmup at least 0")
