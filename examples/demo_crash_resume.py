@@ -223,6 +223,7 @@ def fail(msg: str, log_path: str) -> None:
 def parent(args: argparse.Namespace) -> int:
     import torch
 
+    from diffckpt.localtier import read_local_tier
     from diffckpt.runstore import RunStore
     from diffckpt.storage import open_storage
 
@@ -262,8 +263,11 @@ def parent(args: argparse.Namespace) -> int:
                 )
             store = RunStore(open_storage(args.run_dir))
             durable = plan(store).target
+            # what this node's journal adds (the node-local tier): the resume takes it back
+            local = read_local_tier(store, "auto").step
             print(
-                f"[3/3] resume with ckpt_path='last' (newest durable step: {durable}) ...",
+                f"[3/3] resume with ckpt_path='last' (newest durable step: {durable} in the run root"
+                + (f", {local} in the local tier" if local is not None else "") + ") ...",
                 flush=True,
             )
             resumed = watch(spawn(args, "train", res_out, log, resume=True))
@@ -293,9 +297,12 @@ def parent(args: argparse.Namespace) -> int:
                 f"{ref['FIT_SECONDS']:.1f} s, loss {losses[1]:.2f} -> {losses[args.steps]:.2f}",
             ),
             ("killed with SIGKILL after step", f"{kill_at}"),
+            ("in the run root at the kill", f"{durable}  (what a loss of the node would leave)"),
             (
                 "resumed from step (newest durable)",
-                f"{start}" + ("" if start == durable else f"  (but the store said {durable}!)"),
+                f"{start}" + ("" if start == max(durable, local or durable) else
+                              f"  (but the run root and local tier said {max(durable, local or durable)}!)")
+                + ("  (the node-local tier's journal)" if start > durable else ""),
             ),
             ("steps lost", f"{kill_at - start}  " + (
                 "(settings auto-tuned)" if args.auto else f"(write_batch={args.write_batch})")),

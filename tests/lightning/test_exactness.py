@@ -12,6 +12,7 @@ from helpers import assert_bitwise_equal, count_tensors, run_script
 SCRIPT = "tests/lightning/train_script.py"
 SEED = int(os.environ.get("DIFFCKPT_TEST_SEED", random.randrange(1 << 30)))
 STEPS = {"adamw": 30, "adamw_bf16": 24, "sgd_bn": 30, "manual2": 40, "scaler_skip": 20}
+ONE_STEP = ("adamw", "adamw_bf16", "sgd_bn")  # one optimizer step per STEP line, none skipped
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +47,9 @@ def test_kill9_then_resume_last_is_bitwise_identical(config, reference, tmp_path
     assert "Restoring states from the checkpoint path" in log
     resumed_from = _first_step(log)
     assert resumed_from <= kill_at + 2, (resumed_from, kill_at)
+    if config in ONE_STEP:  # the node-local tier (on by default): a kill loses at most the step in
+        # flight besides the one printed (STEP n is printed before DiffCheckpoint commits step n)
+        assert resumed_from >= kill_at - 1, (resumed_from, kill_at, SEED)
     resumed = torch.load(tmp_path / "resumed.pt", weights_only=False)
     ref = reference(config)
     assert count_tensors(ref["model"]) > 10 and count_tensors(ref["optimizers"]) > 10
