@@ -100,7 +100,10 @@ def _kill_and_resume(config: str, tmp_path: Path, reference, kill_at: int | None
 # bf16 kill -9 and restore("last") also runs in make gpu-check's dry run (tests/test_gpu_check.py).
 @pytest.mark.parametrize("config", ["accum_clip", pytest.param("bf16", marks=pytest.mark.slow), "ddp", "stateful"])
 def test_kill9_then_restore_last_is_bitwise_identical(config, reference, tmp_path):
-    _kill_and_resume(config, tmp_path, reference)
+    kill_at, resumed_from, _ = _kill_and_resume(config, tmp_path, reference)
+    # The node-local tier (on by default): STEP n is printed before step n is committed (at the
+    # next batch request), so the kill loses at most that step and the one before it in flight.
+    assert resumed_from >= kill_at - 2, (resumed_from, kill_at, SEED)
 
 
 @pytest.mark.parametrize("config", ["auto", "ddp_auto"])
