@@ -1,8 +1,8 @@
 """The background writer: one thread that encodes, batches and commits records and bases.
 
-The training thread hands over already-copied records through a queue bounded in bytes. When
-the queue is full the training thread waits and a warning says so; nothing is dropped. The first
-background error is kept and re-raised on the training thread (next put, flush or close).
+The training thread hands over already-copied records through a queue bounded in bytes
+(``handoff.py``: when it is full training waits and a warning says so; nothing is dropped). The
+first background error is kept and re-raised on the training thread (next put, flush or close).
 
 Storage outages: a write that keeps failing transiently past the retry budget is retried at the
 policy's longest backoff until it succeeds, while training goes on and the queue fills. Once the
@@ -14,7 +14,6 @@ that no newer session started on the run root, and stops with a
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 import time
@@ -28,6 +27,7 @@ from .checksums import fingerprint
 from .committer import Committer
 from .errors import DiffCkptError, StorageUnavailableError
 from .format import BaseName, base_commit
+from .handoff import HandOff
 from .journal import place_for, remove_folder
 from .leases import Lease
 from .openseg import OpenSegment
@@ -40,13 +40,10 @@ from .storage import Storage
 from .storage.retry import RetryingStorage
 from .tree import pack_parts
 from .tuning.meter import Meter
-from .units import format_bytes
 
 __all__ = ["BackgroundWriter", "WriterStats"]
 
 log = logging.getLogger("diffckpt")
-_WARN_AFTER_S = 1.0  # a wait for the writer this long is worth a warning
-_WARN_EVERY_S = 60.0  # and then at most one a minute
 
 
 @dataclass
@@ -101,17 +98,13 @@ class BackgroundWriter:
         # one record handed over and not journaled, so a process crash loses at most that step.
         self.journal = place_for(options.local_dir, store.storage.url)
         self.journaled_step: int | None = None  # the newest step in the local tier
-        self._records_in = self._records_out = 0  # records handed over / appended (or failed)
         self.outage = Outage(store.storage.url, options, self.stats)
-        self._committer = Committer(store, gen, self.storage, fence, self._abandon, self.outage, self.stats,
-                                    meter, options.retry.max_backoff_s, lambda: self._queued_bytes, self._fail)
-        self._last_buffers: dict[str, torch.Tensor] | None = None
-        self._queue: collections.deque[tuple[str, Any, int]] = collections.deque()
-        self._queued_bytes = 0
-        self._warned_at = -_WARN_EVERY_S
-        self._cond = threading.Condition()
         self._error: BaseException | None = None
-        self._closed = False
+        self._handoff = HandOff(options, self.outage, self.stats, lambda: self._error is not None,
+                                lambda: self.durable_step)
+        self._committer = Committer(store, gen, self.storage, fence, self._abandon, self.outage, self.stats,
+                                    meter, options.retry.max_backoff_s, lambda: self._handoff.queued_bytes, self._fail)
+        self._last_buffers: dict[str, torch.Tensor] | None = None
         self._thread = threading.Thread(target=self._run, name=f"diffckpt-writer-g{gen}", daemon=True)
         self._thread.start()
 
@@ -138,7 +131,7 @@ class BackgroundWriter:
         """Bytes the writer holds: records and bases handed over and not yet written (queued,
         or being encoded). What counts against ``max_pending_bytes``; a record written to the
         open segment's spool no longer does, and its memory is let go."""
-        return self._queued_bytes
+        return self._handoff.queued_bytes
 
     # ------------------------------------------------------------ training side
     def put_record(self, record: dict[str, Any], nbytes: int, leases: list[Lease] | None = None,
@@ -196,7 +189,7 @@ class BackgroundWriter:
         time): what is not committed by then is lost, and an error is logged that says which
         steps are durable and which are not. Without it, wait as ``on_storage_error`` says.
         """
-        if self._closed:
+        if self._handoff.closed:
             return self.durable_step
         abandoned, reason = False, ""
         try:
@@ -212,9 +205,7 @@ class BackgroundWriter:
             self._abandon.set()
             raise
         finally:
-            with self._cond:
-                self._closed = True
-                self._cond.notify_all()
+            self._handoff.close()
             # An abandoned writer may sit in a network call; its threads are daemons, so let them
             # be after a few seconds. Waiting that long for the commit thread too makes the
             # durable step reported below final in all but a hung request.
@@ -264,65 +255,18 @@ class BackgroundWriter:
 
     def _put(self, kind: str, item: Any, nbytes: int) -> None:
         self._raise_if_failed()
-        if self._closed:
+        if self._handoff.closed:
             raise DiffCkptError("the checkpoint writer is closed; create a new one to write more")
         behind = kind == "record" and self.journal is not None  # waits for the record before it
-        if self.before_wait is not None and self._must_wait(nbytes, behind):
+        if self.before_wait is not None and self._handoff.must_wait(nbytes, behind):
             self.before_wait()  # about to wait: the writer may be waiting for a lease
-        with self._cond:
-            start = warned = None
-            while self._must_wait(nbytes, behind):
-                if self._error is not None:
-                    break
-                self.outage.raise_if(f"the checkpoint buffer is full ({format_bytes(self._queued_bytes)}, "
-                                     f"max_pending_bytes {format_bytes(self.options.max_pending_bytes)})",
-                                     self.durable_step)
-                now = time.monotonic()
-                start = now if start is None else start
-                # A record larger than the bound waits for the one before it at every step, which
-                # is the bound at work, not news: only a wait that lasts is worth a warning.
-                # An outage is news at once.
-                outage = self.outage.cause(start, self.durable_step)
-                if warned is None and (outage or (now - start >= _WARN_AFTER_S and now - self._warned_at >= _WARN_EVERY_S)):
-                    warned = self._warned_at = now
-                    cause = outage or "storage is slower than training"
-                    log.warning(
-                        "diffckpt: writer is behind (%s held, limit %s): %s; training waits "
-                        "for storage and nothing is dropped. Raise max_pending_bytes, write_batch or "
-                        "every_n_steps, or use faster storage.", format_bytes(self._queued_bytes),
-                        format_bytes(self.options.max_pending_bytes), cause)
-                self._cond.wait(0.1)
-            if start is not None:
-                self.stats.stall_seconds += time.monotonic() - start
-            self._queue.append((kind, item, nbytes))
-            self._records_in += kind == "record"
-            self._queued_bytes += nbytes
-            self.stats.peak_held_bytes = max(self.stats.peak_held_bytes, self._queued_bytes)
-            self._cond.notify_all()
+        self._handoff.put(kind, item, nbytes, behind)
         self._raise_if_failed()
-
-    def _must_wait(self, nbytes: int, behind: bool = False) -> bool:
-        """Whether handing over ``nbytes`` now would hold more than ``max_pending_bytes``; a
-        record larger than the bound waits only until what is held is within it, so the writer
-        never holds more than the bound plus one record. ``behind``: also while a record handed
-        over before is not journaled, unless storage is in an outage: then records wait in
-        memory, within the bound, as without a journal, so that training rides out the outage."""
-        if behind and self._records_in > self._records_out and self.outage.since is None:
-            return True
-        bound = self.options.max_pending_bytes
-        if not nbytes:  # a flush, a call, a retarget: they hold nothing (a flush waits anyway)
-            return False
-        return bool(self._queued_bytes) and self._queued_bytes + nbytes > bound + (nbytes if nbytes > bound else 0)
 
     # -------------------------------------------------------------- writer side
     def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
-                if not self._queue:
-                    return
-                kind, item, nbytes = self._queue.popleft()
+        while (taken := self._handoff.take()) is not None:
+            kind, item, nbytes = taken
             try:
                 if self._error is None:
                     self._handle(kind, item)
@@ -333,10 +277,8 @@ class BackgroundWriter:
             finally:
                 if kind == "flush":
                     item.set()
-                item = None  # a record's memory goes now that its bytes are written
-                with self._cond:
-                    self._queued_bytes -= nbytes
-                    self._cond.notify_all()
+                item = taken = None  # a record's memory goes now that its bytes are written
+                self._handoff.done(nbytes)
 
     def _handle(self, kind: str, item: Any) -> None:
         if kind == "record":
@@ -380,9 +322,7 @@ class BackgroundWriter:
             self.journaled_step = record["step"] if self.journal is not None else None
         finally:
             self.stage.release(staged)
-            with self._cond:
-                self._records_out += 1
-                self._cond.notify_all()
+            self._handoff.journaled()
         if record.get("state") is not None and (self._cut_next or len(self._open) >= self.write_batch):
             self._cut_next = False
             self._write_segment(wait=False)

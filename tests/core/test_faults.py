@@ -13,6 +13,7 @@ import logging
 import random
 import re
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -142,7 +143,16 @@ def test_short_fault_is_retried_without_an_outage(tmp_path: Path, caplog: pytest
     engine, truth, m, o = _start(storage, retry=RetryPolicy(budget_s=30, initial_backoff_s=0.01, max_backoff_s=0.05))
     with caplog.at_level(logging.INFO, logger="diffckpt"):
         storage.down.set()
-        threading.Timer(0.1, storage.down.clear).start()
+
+        def clear_after_a_refusal() -> None:
+            # storage comes back 0.1 s after its first refused call: a timer started here could
+            # run out before a loaded machine's writer makes any call (nothing would be tested)
+            while not storage.refused:
+                time.sleep(0.005)
+            time.sleep(0.1)
+            storage.down.clear()
+
+        threading.Thread(target=clear_after_a_refusal, daemon=True).start()
         train_steps(engine, m, o, 1, 13, truth)
         assert engine.close() == 13
     assert storage.refused > 0
