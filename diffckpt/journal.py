@@ -35,7 +35,8 @@ from typing import Any
 
 from .checksums import XXH3_128
 from .errors import DiffCkptError, StorageError
-from .format import CHECKSUMS, FORMAT_VERSION, LEAD_READ, segment_lead
+from .format import CHECKSUMS, FORMAT_VERSION
+from .segment import LEAD_READ, segment_lead
 from .storage.spool import process_alive
 
 __all__ = [

@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import DiffCkptError
-from .format import CHECKSUMS, FORMAT_VERSION, SegmentEncoder, SegmentName
+from .format import CHECKSUMS, FORMAT_VERSION, SegmentName
 from .journal import JournalFile, journals, place_for, remove_folder, sweep, verified_records
 from .runstore import RunStore
+from .segment import SegmentEncoder
 from .shardedrun import ShardedRun
 from .storage import Storage
 from .storage.spool import open_spool

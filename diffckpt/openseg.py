@@ -14,8 +14,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .format import SegmentEncoder, SegmentName
+from .format import SegmentName
 from .journal import JournalPlace, JournalWriter
+from .segment import SegmentEncoder
 from .storage import Storage
 from .storage.spool import Spool, open_spool
 

@@ -16,22 +16,18 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .errors import CheckpointNotFoundError, ConcurrentWriterError, CorruptRecordError
-from .format import (
-    FORMAT_VERSION,
+from .format import FORMAT_VERSION, BaseName, SegmentName, checksum_for, decode_commit
+from .inventory import Inventory, RestorePlan
+from .prefetch import Fetched, Prefetcher, Preparer, ReadyAhead
+from .segment import (
     LEAD_READ,
-    BaseName,
     SegmentIndex,
-    SegmentName,
-    checksum_for,
-    decode_commit,
     decode_segment,
     index_length,
     lead_length,
     parse_index,
     segment_lead,
 )
-from .inventory import Inventory, RestorePlan
-from .prefetch import Fetched, Prefetcher, Preparer, ReadyAhead
 from .storage import Storage
 from .storage.spool import ranged, read_range
 

@@ -15,11 +15,12 @@ import torch
 
 from .. import planning
 from ..errors import CheckpointNotFoundError, DiffCkptError, UnsupportedConfigurationError
-from ..format import BaseName, SegmentName, decode_segment
+from ..format import BaseName, SegmentName
 from ..inventory import Inventory, RestorePlan
 from ..loading import load_state
 from ..offline import replay_plan
 from ..runstore import RunStore, session_path
+from ..segment import decode_segment
 from ..storage import Storage
 from .common import Progress, open_run, progress, reemit, table, throughput
 from .sharded import Sharded, Stream, open_sharded, sharded_notes

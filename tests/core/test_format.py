@@ -38,23 +38,19 @@ from diffckpt.errors import (
     IncompatibleCheckpointError,
     UnsupportedConfigurationError,
 )
-from diffckpt.format import (
-    FORMAT_VERSION,
+from diffckpt.format import FORMAT_VERSION, BaseName, SegmentName, decode_commit, encode_commit
+from diffckpt.loading import load_state
+from diffckpt.options import CheckpointOptions
+from diffckpt.runstore import RunStore
+from diffckpt.segment import (
     SEGMENT_MAGIC,
-    BaseName,
     SegmentEncoder,
-    SegmentName,
-    decode_commit,
     decode_segment,
-    encode_commit,
     encode_segment,
     index_length,
     lead_length,
     parse_index,
 )
-from diffckpt.loading import load_state
-from diffckpt.options import CheckpointOptions
-from diffckpt.runstore import RunStore
 from diffckpt.storage import FsspecStorage
 from diffckpt.tree import decode_tree, pack_tree, read_metadata, unpack_tree
 from diffckpt.writer import BackgroundWriter

@@ -23,11 +23,12 @@ from test_format import _blob_offsets, _flip, assert_same, mg
 from diffckpt import CheckpointEngine, CheckpointOptions, RetentionPolicy
 from diffckpt.checksums import fingerprint_matches
 from diffckpt.errors import CorruptRecordError
-from diffckpt.format import FORMAT_VERSION, SEGMENT_MAGIC, BaseName, decode_commit, decode_segment
+from diffckpt.format import FORMAT_VERSION, BaseName, decode_commit
 from diffckpt.lifecycle.compaction import compact
 from diffckpt.lifecycle.retention import collect_garbage
 from diffckpt.loading import load_state
 from diffckpt.runstore import RunStore
+from diffckpt.segment import SEGMENT_MAGIC, decode_segment
 from diffckpt.storage import FsspecStorage
 from diffckpt.tree import pack_parts
 

@@ -21,10 +21,11 @@ from test_cli import cli
 from test_format import _blob_offsets, _flip, assert_same, mg
 from test_format_v1 import format_of, resume_with_the_current_format
 
-from diffckpt.format import FORMAT_VERSION, SEGMENT_MAGIC, BaseName, decode_commit, decode_segment
+from diffckpt.format import FORMAT_VERSION, BaseName, decode_commit
 from diffckpt.lifecycle.compaction import compact
 from diffckpt.loading import load_state
 from diffckpt.runstore import RunStore
+from diffckpt.segment import SEGMENT_MAGIC, decode_segment
 from diffckpt.storage import FsspecStorage
 from diffckpt.tree import pack_parts
 

@@ -27,9 +27,9 @@ from helpers import ROOT, subprocess_env
 
 from diffckpt import CorruptRecordError, StorageError, open_storage
 from diffckpt import runstore as store_module
-from diffckpt.format import decode_segment
 from diffckpt.planning import plan
 from diffckpt.runstore import ReadStats, RunStore
+from diffckpt.segment import decode_segment
 from diffckpt.tree import pack_tree, unpack_tree
 
 STEPS = 20

@@ -224,8 +224,8 @@ def test_a_kill_during_an_open_segment_leaves_nothing_taken_for_committed(tmp_pa
 
 
 def test_records_after_the_newest_restorable_one_move_on_to_the_next_segment(tmp_path: Path) -> None:
-    from diffckpt.format import decode_segment
     from diffckpt.openseg import OpenSegment
+    from diffckpt.segment import decode_segment
 
     storage = FsspecStorage(str(tmp_path))
     records = [{"step": s, "prev": s - 1, "state": {"x": s} if s in (3, 6) else None,

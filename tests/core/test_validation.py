@@ -17,16 +17,9 @@ from engine_runs import base_dir, build_segment, train
 
 from diffckpt import CorruptRecordError, RetentionPolicy
 from diffckpt.checksums import XXH3_128
-from diffckpt.format import (
-    FORMAT_VERSION,
-    SEGMENT_MAGIC,
-    BaseName,
-    SegmentName,
-    decode_commit,
-    decode_segment,
-    encode_commit,
-)
+from diffckpt.format import FORMAT_VERSION, BaseName, SegmentName, decode_commit, encode_commit
 from diffckpt.inventory import Inventory
+from diffckpt.segment import SEGMENT_MAGIC, decode_segment
 from diffckpt.tree import pack_tree, read_metadata, unpack_tree
 
 GOOD = {"step": 10, "gen": 1, "fingerprint": "xxh3-128:" + "ab" * 16,

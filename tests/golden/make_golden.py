@@ -46,14 +46,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent.parent))
 
 from diffckpt.checksums import fingerprint
-from diffckpt.format import (
-    FORMAT_VERSION,
-    BaseName,
-    SegmentName,
-    encode_commit,
-    encode_segment,
-    state_entry,
-)
+from diffckpt.format import FORMAT_VERSION, BaseName, SegmentName, encode_commit, state_entry
+from diffckpt.segment import encode_segment
 from diffckpt.tree import pack_tree
 
 GEN = 1

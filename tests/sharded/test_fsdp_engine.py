@@ -215,7 +215,7 @@ def test_default_options_base_by_bytes_alike_on_every_rank_and_retention_trims_e
 
 
 def _stored_grad_dtypes(root: Path, rank: int) -> set[torch.dtype]:
-    from diffckpt.format import decode_segment
+    from diffckpt.segment import decode_segment
 
     dtypes = set()
     for seg in (root / f"ranks/r{rank:05d}/diffs").glob("*.seg"):
