@@ -37,11 +37,11 @@ from .coordination import Coordination
 from .errors import DiffCkptError
 from .metrics import CheckpointMetrics
 from .options import CheckpointOptions
-from .recorder import Recorder, session_body
+from .recorder import Recorder
 from .replay import ReplayResult
 from .resumption import Resumption
 from .session import Clock, Committed, FrameworkSaves, FrameworkState
-from .shardedrun import ShardedRun
+from .sessionfile import open_sharded_session
 from .sharding import check_sharded, is_sharded, refuse_flat_parameters
 from .storage import Storage
 from .tuning.model import Settings
@@ -273,10 +273,7 @@ class CheckpointEngine:
         rec = self.recorder
         rec.stream, rec.collects_garbage = rec.store, True  # an earlier sharded session's are gone
         if table is not None:  # every rank writes its own stream, in the session the root names
-            gen = self._claim_sharded_session(meta, step)
-            rec.stream = ShardedRun(self.storage).stream(self.rank)
-            rec.collects_garbage = self.is_main_process
-            meta = dict(meta, rank=self.rank, shards=table)
+            gen, meta = open_sharded_session(self._coord, rec, meta, step, table)
         rec.start(module, optimizers, step, meta=meta, compressor=compressor, gen=gen)
         state = restored[1] if restored is not None else source.state(ranks or [])
         self._base_now(step, state, codec_states)
@@ -388,14 +385,6 @@ class CheckpointEngine:
         """Whether this process records: rank 0 of data-parallel training (every rank applied
         what it recorded), every rank of sharded training (each holds other pieces)."""
         return self._sharded or self.is_main_process
-
-    def _claim_sharded_session(self, meta: dict[str, Any], step: int) -> int:
-        """Rank 0 opens the session on the run root, naming the world size; every rank gets its
-        generation (or rank 0's error)."""
-        def claim() -> int:
-            sharded = {"world_size": self.world_size, "streams": "ranks/r<rank:05d>/"}
-            return self.recorder.store.start_session(session_body(self.options, step, dict(meta, sharded=sharded)))
-        return int(self._coord.decided(claim, "opening the session"))
 
     def _require_clock(self) -> Clock:
         if not self._open or self._clock is None:

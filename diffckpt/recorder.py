@@ -11,30 +11,29 @@ other processes: :mod:`diffckpt.engine` does, and decides who records.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
-import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .capture import StepCapture, clone_tree, group_hyperparams, tree_nbytes
 from .codecs.compressor import GradientCompressor
-from .compat import qualname
 from .errors import DiffCkptError
 from .leases import copy_tensors
 from .lifecycle.compaction import training_device
-from .lifecycle.footprint import projection
+from .lifecycle.footprint import session_projection
 from .lifecycle.maintenance import Maintenance
 from .localtier import merge_for_rank
 from .locate import Located, locate
-from .options import BY_BYTES, CheckpointOptions
-from .policies import IntervalPolicy, StepContext, bytes_interval
+from .options import CheckpointOptions
+from .policies import IntervalPolicy, StepContext
 from .replay import ReplayResult
 from .restoring import restore_live
 from .runstore import RunStore
+from .sessionfile import session_body, training_meta
 from .shardedrun import ShardedRun
 from .sharding import local, local_tree
 from .staging import HostStage
@@ -44,17 +43,9 @@ from .tuning.model import Decision, Settings
 from .tuning.online import OnlineTuning
 from .writer import BackgroundWriter
 
-__all__ = ["Recorder", "session_body"]
+__all__ = ["Recorder"]
 
 log = logging.getLogger("diffckpt")
-
-
-def session_body(options: CheckpointOptions, step: int, meta: dict[str, Any]) -> dict[str, Any]:
-    """What a session file records (``sessions/g<gen>.json``): the options, the writing host and
-    process, the step it continues from, and ``meta`` (the model's parameters and optimizers, a
-    sharded session's world size, the framework...)."""
-    return {"options": dataclasses.asdict(options), "host": socket.gethostname(), "pid": os.getpid(),
-            "resumed_from": step, **meta}
 
 
 class Recorder:
@@ -125,18 +116,7 @@ class Recorder:
         self.capture = StepCapture(optimizers, compressor, copy_gradients=self.options.copy_gradients)
         params = dict(module.named_parameters())
         self._buffer_names = [k for k in module.state_dict() if k not in params]
-        names = {id(p): n for n, p in params.items()}
-        # State-dict keys that are a parameter under another name (tied weights: an LM head
-        # sharing the embedding matrix): readers without the module rebuild them from it.
-        aliases = {k: names[id(v)] for k, v in module.state_dict(keep_vars=True).items()
-                   if k not in params and id(v) in names}
-        body = session_body(self.options, step, {
-            "optimizer_params": [[[names.get(id(p), "") for p in g["params"]] for g in o.param_groups]
-                                 for o in optimizers],
-            "optimizers": [qualname(o) for o in optimizers],
-            "parameters": [[k, list(local(p).shape)] for k, p in params.items()],
-            **({"aliases": aliases} if aliases else {}),
-            "codec": None if compressor is None else compressor.codec.config(), **(meta or {})})
+        body = session_body(self.options, step, {**training_meta(module, optimizers, compressor), **(meta or {})})
         if self.tuning.restore_timing is not None:
             load_s, replay_s = self.tuning.restore_timing
             body["restore_timing"] = {"base_load_s": load_s, "replay_step_s": replay_s}
@@ -171,15 +151,11 @@ class Recorder:
         if self.writer is not None:
             self._kept.append((self.writer.gen, step, why))
 
-    def _every_rank_based(self, gen: int, world: int) -> Any:
+    def _every_rank_based(self, gen: int, world: int) -> Callable[[], bool]:
         """Whether every rank's stream of sharded session ``gen`` has committed the newest base this
-        process wrote (bases are written at the same steps on every rank)."""
+        process wrote."""
         run = ShardedRun(self.storage)
-
-        def settled() -> bool:
-            newest = self._last_base
-            return all(any(b.gen == gen and b.step >= newest for b in inv.bases) for inv in run.inventories(world))
-        return settled
+        return lambda: run.based(gen, world, self._last_base)
 
     def _context(self, step: int) -> StepContext:
         # A single-process loop never reviews (only CheckpointEngine.commit does): a byte-sized
@@ -327,15 +303,9 @@ class Recorder:
         self._projected = True
         if not self.collects_garbage:
             return
-        o = self.options
         base = max(self._base_nbytes, self._base_bytes_now())
-        interval, bases = self.tuning.settings.base_every_n_steps, "base"
-        if o.base_every_n_steps == BY_BYTES:  # what the first sizing will choose from this record
-            interval = bytes_interval(o.base_every_diff_bytes_ratio, base, step_bytes)
-        if interval is None and o.compact_every_n_steps is not None:
-            interval, bases = o.compact_every_n_steps, "compacted base"
-        log.info("diffckpt: %s", projection(step_bytes, base, interval, o.retention, streams=self._streams,
-                                            bases=bases))
+        log.info("diffckpt: %s", session_projection(self.options, self.tuning.settings.base_every_n_steps,
+                                                    step_bytes, base, self._streams))
 
     def flush(self, timeout: float | None = None) -> int | None:
         """Block until everything captured is durable; return the durable step.

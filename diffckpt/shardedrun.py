@@ -117,6 +117,11 @@ class ShardedRun:
                       if max(a, c) <= min(b, d)]
         return common[-1][1] if common else None
 
+    def based(self, gen: int, world: int, step: int) -> bool:
+        """Whether every rank's stream of session ``gen`` has committed a base at ``step`` or later
+        (bases are written at the same steps on every rank)."""
+        return all(any(b.gen == gen and b.step >= step for b in inv.bases) for inv in self.inventories(world))
+
     @staticmethod
     def reaches(gen: int, step: int, invs: list[Inventory]) -> bool:
         """Whether every rank's stream of session ``gen`` rebuilds ``step``."""

@@ -10,10 +10,12 @@ may vary), and bytes as handed to the writer, before compression.
 
 from __future__ import annotations
 
-from ..policyoptions import RetentionPolicy
+from ..options import CheckpointOptions
+from ..policies import bytes_interval
+from ..policyoptions import BY_BYTES, RetentionPolicy
 from ..units import format_bytes
 
-__all__ = ["STEPS", "projection", "retained_bytes"]
+__all__ = ["STEPS", "projection", "retained_bytes", "session_projection"]
 
 STEPS = 1000  # the projection's horizon, in steps
 
@@ -55,3 +57,16 @@ def projection(step_bytes: float, base_bytes: float, interval: int | None, polic
         return (f"{line}; without periodic bases or compaction the newest chain never ends and retention "
                 "cannot trim it: storage grows by that much")
     return f"{line}; retention keeps windows of steps or of time as well: storage grows with them"
+
+
+def session_projection(options: CheckpointOptions, interval: int | None, step_bytes: float, base_bytes: float,
+                       streams: int = 1) -> str:
+    """:func:`projection` for a session that starts with these ``options`` and a base interval of
+    ``interval`` steps in force: a byte-sized interval is what its first sizing will choose from
+    ``step_bytes``; without periodic bases, compaction makes them."""
+    bases = "base"
+    if options.base_every_n_steps == BY_BYTES:
+        interval = bytes_interval(options.base_every_diff_bytes_ratio, base_bytes, step_bytes)
+    if interval is None and options.compact_every_n_steps is not None:
+        interval, bases = options.compact_every_n_steps, "compacted base"
+    return projection(step_bytes, base_bytes, interval, options.retention, streams=streams, bases=bases)

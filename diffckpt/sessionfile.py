@@ -1,0 +1,71 @@
+"""What a session file (``sessions/g<gen>.json``) records, and how a sharded session is opened.
+
+A session file is written once, when a writer session starts on a run root or a rank stream
+(:meth:`diffckpt.runstore.RunStore.start_session`, an exclusive create that fences older
+sessions). Readers take from it the options, the writing host and process, the model's parameter
+names and shapes, the optimizers and which parameters each group steps, and, for sharded
+training, the world size and each rank's shard table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .codecs.compressor import GradientCompressor
+from .compat import qualname
+from .options import CheckpointOptions
+from .shardedrun import ShardedRun
+from .sharding import local
+
+if TYPE_CHECKING:
+    from .coordination import Coordination
+    from .recorder import Recorder
+
+__all__ = ["open_sharded_session", "session_body", "training_meta"]
+
+
+def session_body(options: CheckpointOptions, step: int, meta: dict[str, Any]) -> dict[str, Any]:
+    """What a session file records: the options, the writing host and process, the step it
+    continues from, and ``meta`` (the model's parameters and optimizers, a sharded session's world
+    size, the framework...)."""
+    return {"options": dataclasses.asdict(options), "host": socket.gethostname(), "pid": os.getpid(),
+            "resumed_from": step, **meta}
+
+
+def training_meta(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
+                  compressor: GradientCompressor | None) -> dict[str, Any]:
+    """What a session file says of the model and optimizers: each group's parameter names, the
+    optimizer classes, every parameter's (local) shape, tied weights, and the codec."""
+    params = dict(module.named_parameters())
+    names = {id(p): n for n, p in params.items()}
+    # State-dict keys that are a parameter under another name (tied weights: an LM head
+    # sharing the embedding matrix): readers without the module rebuild them from it.
+    aliases = {k: names[id(v)] for k, v in module.state_dict(keep_vars=True).items()
+               if k not in params and id(v) in names}
+    return {
+        "optimizer_params": [[[names.get(id(p), "") for p in g["params"]] for g in o.param_groups]
+                             for o in optimizers],
+        "optimizers": [qualname(o) for o in optimizers],
+        "parameters": [[k, list(local(p).shape)] for k, p in params.items()],
+        **({"aliases": aliases} if aliases else {}),
+        "codec": None if compressor is None else compressor.codec.config()}
+
+
+def open_sharded_session(coord: Coordination, recorder: Recorder, meta: dict[str, Any], step: int,
+                         table: Any) -> tuple[int, dict[str, Any]]:
+    """Open a sharded session (every rank calls): rank 0 claims it on the run root, naming the
+    world size, every rank gets its generation (or rank 0's error) and ``recorder`` writes this
+    rank's own stream. Returns the generation and the rank's session ``meta`` (its shard table)."""
+    def claim() -> int:
+        sharded = {"world_size": coord.world_size, "streams": "ranks/r<rank:05d>/"}
+        return recorder.store.start_session(session_body(recorder.options, step, dict(meta, sharded=sharded)))
+
+    gen = int(coord.decided(claim, "opening the session"))
+    recorder.stream = ShardedRun(recorder.storage).stream(coord.rank)
+    recorder.collects_garbage = coord.is_main_process  # retention runs once, over the whole root
+    return gen, dict(meta, rank=coord.rank, shards=table)
