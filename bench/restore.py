@@ -34,7 +34,7 @@ Every measurement is repeated ``--repeats`` times, interleaved (the order revers
 repeat), and the median is reported. The page cache is warm unless a row says ``cold``: then every
 file of the run (or the Lightning checkpoint) is dropped from the page cache first
 (``posix_fadvise(DONTNEED)``; the disk's own cache, if the machine is virtual, stays). For the
-longest chain, prefetching (segments read and decoded ahead of replay, ``diffckpt.runstore.
+longest chain, prefetching (segments read and decoded ahead of replay, ``diffckpt.recordreads.
 PREFETCH_SEGMENTS``, 4 by default) is compared with none (0). Unless ``--no-codec``, a second run
 trains with ``TopK(0.01)`` compressed gradients (the payloads are the diffs) and its longest chain
 is restored for every chain length too (prefetch on). Every restore is compared with the limit
@@ -86,7 +86,7 @@ sys.path[:0] = [*([TREE] if TREE else []), ROOT, os.path.join(ROOT, "examples")]
 from gpt import GPT, SIZES, make_loader
 from provenance import checkout, header, report_path, write_report
 
-import diffckpt.runstore
+import diffckpt.recordreads
 from diffckpt import CheckpointEngine, CheckpointOptions, GradientCompressor
 from diffckpt.capture import clone_tree
 from diffckpt.codecs import TopK
@@ -219,12 +219,12 @@ def files_under(root: str) -> list[str]:
 @contextlib.contextmanager
 def prefetching(depth: int) -> Iterator[None]:
     """Replay with ``depth`` segments read ahead (0: each read when replay reaches it)."""
-    saved = diffckpt.runstore.PREFETCH_SEGMENTS
-    diffckpt.runstore.PREFETCH_SEGMENTS = depth
+    saved = diffckpt.recordreads.PREFETCH_SEGMENTS
+    diffckpt.recordreads.PREFETCH_SEGMENTS = depth
     try:
         yield
     finally:
-        diffckpt.runstore.PREFETCH_SEGMENTS = saved
+        diffckpt.recordreads.PREFETCH_SEGMENTS = saved
 
 
 def full_state(model: GPT, opt: Any) -> dict[str, Any]:

@@ -3,8 +3,8 @@ preparing its records ahead of the optimizer, in background threads.
 
 Replay spends its time in ``optimizer.step()``; without reading ahead, each segment's read,
 checksums and zstd would add to it, and without preparing ahead, each record's gradients would be
-decoded (codec payloads) between two steps. :meth:`diffckpt.runstore.RunStore.read_records` sets
-the limits (``diffckpt.runstore.PREFETCH_*``, read when each restore starts).
+decoded (codec payloads) between two steps. :meth:`diffckpt.recordreads.RecordReader.read` sets
+the limits (``diffckpt.recordreads.PREFETCH_*``, read when each restore starts).
 """
 
 from __future__ import annotations

@@ -38,7 +38,8 @@ from .errors import (
     ReplayMismatchError,
 )
 from .inventory import RestorePlan
-from .runstore import ReadStats, RunStore
+from .recordreads import ReadStats
+from .runstore import RunStore
 
 __all__ = ["ReplayResult", "ReplayTarget", "load_into", "replay", "replay_progress"]
 

@@ -25,10 +25,10 @@ import torch
 from engine_runs import FaultyStorage, Truth, assert_state, flip, record_span, restore, seg, train
 from helpers import ROOT, subprocess_env
 
-from diffckpt import CorruptRecordError, StorageError, open_storage
-from diffckpt import runstore as store_module
+from diffckpt import CorruptRecordError, StorageError, open_storage, recordreads
 from diffckpt.planning import plan
-from diffckpt.runstore import ReadStats, RunStore
+from diffckpt.recordreads import ReadStats
+from diffckpt.runstore import RunStore
 from diffckpt.segment import decode_segment
 from diffckpt.tree import pack_tree, unpack_tree
 
@@ -121,11 +121,11 @@ def test_prefetch_restores_the_same_tensors_as_a_sequential_read(
     root, truth = run
     sizes = RunStore(open_storage(str(root))).inventory().sizes
     for step in (None, 0, 1, 2, 7, 13, STEPS):
-        monkeypatch.setattr(store_module, "PREFETCH_SEGMENTS", 0)
+        monkeypatch.setattr(recordreads, "PREFETCH_SEGMENTS", 0)
         before = _prefetch_threads()
         sequential, m0, o0 = restore(str(root), step)
         assert set(_prefetch_threads()) <= set(before)  # 0: no thread started
-        monkeypatch.setattr(store_module, "PREFETCH_SEGMENTS", depth)
+        monkeypatch.setattr(recordreads, "PREFETCH_SEGMENTS", depth)
         ahead, m1, o1 = restore(str(root), step)
         assert_state(truth, ahead, m1, o1)
         assert (ahead.step, ahead.replayed, ahead.state) == (sequential.step, sequential.replayed,
@@ -166,11 +166,11 @@ def test_nothing_past_the_target_segment_is_read(run: tuple[Path, Truth]) -> Non
 
 def test_the_window_is_bounded_in_bytes(run: tuple[Path, Truth], monkeypatch: pytest.MonkeyPatch) -> None:
     root, truth = run
-    monkeypatch.setattr(store_module, "PREFETCH_WORKERS", 4)
+    monkeypatch.setattr(recordreads, "PREFETCH_WORKERS", 4)
     storage = ReadLog(str(root), latency=0.05)
     restore(storage, STEPS)
     assert storage.most_busy >= 3  # reads overlap: 4 ahead by default, and the one taken
-    monkeypatch.setattr(store_module, "PREFETCH_BYTES", 1)  # less than any segment: one ahead
+    monkeypatch.setattr(recordreads, "PREFETCH_BYTES", 1)  # less than any segment: one ahead
     storage = ReadLog(str(root), latency=0.05)
     result, m, o = restore(storage, STEPS)
     assert_state(truth, result, m, o)
@@ -215,7 +215,7 @@ def test_damage_mid_chain_is_reported_as_without_prefetch(
     newest = 9 if damage == "record" else 8
     outcomes = {}
     for depth in (0, 4):
-        monkeypatch.setattr(store_module, "PREFETCH_SEGMENTS", depth)
+        monkeypatch.setattr(recordreads, "PREFETCH_SEGMENTS", depth)
         outcomes[depth] = {step: _outcome(root, step) for step in (None, newest, 11, STEPS)}
         restored, caught, error = outcomes[depth][None]
         assert restored == newest and error is None
@@ -239,7 +239,7 @@ def test_damage_before_a_failing_read_hides_it_as_in_a_sequential_read(
     offset, length = record_span(path.read_bytes(), 5)
     flip(path, offset + length // 2)
     for depth in (0, 4):
-        monkeypatch.setattr(store_module, "PREFETCH_SEGMENTS", depth)
+        monkeypatch.setattr(recordreads, "PREFETCH_SEGMENTS", depth)
         storage = ReadLog(str(root), fail=_name(6, 8))  # read ahead, but never taken
         with pytest.warns(UserWarning, match="restoring step 4"):
             result, m, o = restore(storage)
@@ -251,7 +251,7 @@ def test_damage_before_a_failing_read_hides_it_as_in_a_sequential_read(
 def test_a_storage_error_while_prefetching_reaches_the_caller(
         run: tuple[Path, Truth], depth: int, monkeypatch: pytest.MonkeyPatch) -> None:
     root, _ = run
-    monkeypatch.setattr(store_module, "PREFETCH_SEGMENTS", depth)
+    monkeypatch.setattr(recordreads, "PREFETCH_SEGMENTS", depth)
     storage = ReadLog(str(root), fail=_name(6, 8))
     with pytest.raises(StorageError, match=r"000000000006-000000000008.g000001.seg") as info:
         restore(storage, STEPS)
@@ -274,7 +274,7 @@ def _plan(root: Path, storage: ReadLog) -> tuple[RunStore, Any]:
 def test_closing_the_reader_early_stops_every_prefetch_thread(
         run: tuple[Path, Truth], monkeypatch: pytest.MonkeyPatch) -> None:
     root, _ = run
-    monkeypatch.setattr(store_module, "PREFETCH_WORKERS", 1)  # the window waits in the queue
+    monkeypatch.setattr(recordreads, "PREFETCH_WORKERS", 1)  # the window waits in the queue
     storage = ReadLog(str(root), latency=0.1)
     store, plan = _plan(root, storage)
     stats = ReadStats()

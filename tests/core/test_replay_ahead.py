@@ -22,12 +22,11 @@ import pytest
 import torch
 from engine_runs import Truth, assert_state, flip, make, record_span, restore, seg, train
 
-from diffckpt import CheckpointEngine, CorruptRecordError
-from diffckpt import runstore as store_module
+from diffckpt import CheckpointEngine, CorruptRecordError, recordreads
 from diffckpt.borrowing import BlockPool, borrowing
 from diffckpt.codecs.compressor import clip_gradients, clip_tensors
 from diffckpt.prefetch import THREAD_PREFIX, ReadyAhead
-from diffckpt.runstore import RunStore
+from diffckpt.recordreads import RecordReader
 from diffckpt.tree import pack_tree, unpack_tree
 
 STEPS = 12
@@ -107,15 +106,15 @@ def test_replay_installs_the_decoded_tensors_without_copying_them(
     """Each ``.grad`` that ``step()`` reads is the tensor decoded from the segment itself."""
     root, truth = _run
     decoded: dict[int, list[torch.Tensor]] = {}
-    fetch = RunStore._fetch
+    fetch = RecordReader._fetch
 
-    def keep(self: RunStore, *args: Any) -> Any:
+    def keep(self: RecordReader, *args: Any) -> Any:
         header, records, problem, nbytes = fetch(self, *args)
         for record in records:
             decoded[record["step"]] = [g for e in record["events"] for row in e["grads"] for g in row]
         return header, records, problem, nbytes
 
-    monkeypatch.setattr(RunStore, "_fetch", keep)
+    monkeypatch.setattr(RecordReader, "_fetch", keep)
     installed: list[list[int]] = []
 
     def spy(optimizer: torch.optim.Optimizer, *_: Any) -> None:
@@ -220,7 +219,7 @@ def test_closing_early_stops_the_thread_and_closes_the_source() -> None:
 
 
 # ------------------------------------------------------------------------ same results
-@pytest.mark.parametrize("ready_bytes", [1, store_module.PREFETCH_READY_BYTES])
+@pytest.mark.parametrize("ready_bytes", [1, recordreads.PREFETCH_READY_BYTES])
 def test_damage_after_records_prepared_ahead_stops_replay_at_the_same_step(
         _run: tuple[Path, Truth], tmp_path: Path, ready_bytes: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """1 byte: every record is prepared by replay itself; the default: all of them ahead."""
@@ -230,7 +229,7 @@ def test_damage_after_records_prepared_ahead_stops_replay_at_the_same_step(
     path = seg(root, 6, 8)
     offset, length = record_span(path.read_bytes(), 8)
     flip(path, offset + length // 2)
-    monkeypatch.setattr(store_module, "PREFETCH_READY_BYTES", ready_bytes)
+    monkeypatch.setattr(recordreads, "PREFETCH_READY_BYTES", ready_bytes)
     with pytest.warns(UserWarning, match="restoring step 7"):
         result, module, optimizers = restore(str(root))
     assert result.step == 7 and result.replayed == 7

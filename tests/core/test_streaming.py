@@ -23,8 +23,7 @@ import torch
 from engine_runs import assert_state, restore, seg, train
 from helpers import subprocess_env
 
-import diffckpt.runstore as store_module
-from diffckpt import CheckpointEngine, CheckpointOptions, RetentionPolicy
+from diffckpt import CheckpointEngine, CheckpointOptions, RetentionPolicy, recordreads
 from diffckpt.lifecycle.retention import collect_garbage
 from diffckpt.prefetch import Prefetcher
 from diffckpt.runstore import RunStore
@@ -125,9 +124,9 @@ def test_restore_reads_records_by_range_within_its_window(
         reads.append((path, start, end))
         return read_range(self, path, start, end)
 
-    monkeypatch.setattr(store_module, "Prefetcher", Watched)
-    monkeypatch.setattr(store_module, "RANGED_ABOVE", 0)
-    monkeypatch.setattr(store_module, "PREFETCH_BYTES", prefetch_bytes)
+    monkeypatch.setattr(recordreads, "Prefetcher", Watched)
+    monkeypatch.setattr(recordreads, "RANGED_ABOVE", 0)
+    monkeypatch.setattr(recordreads, "PREFETCH_BYTES", prefetch_bytes)
     monkeypatch.setattr(FsspecStorage, "read_range", ranges)
     for step in (24, 17):
         result, module, optimizers = restore(tmp_path, step, maker=wide)
@@ -147,7 +146,7 @@ def test_a_damaged_record_read_by_range_is_found(tmp_path: Path, monkeypatch: py
     path = seg(tmp_path, 0, 12)
     offset, length = record_span(path.read_bytes(), 7)
     flip(path, offset + length // 2)
-    monkeypatch.setattr(store_module, "RANGED_ABOVE", 0)
+    monkeypatch.setattr(recordreads, "RANGED_ABOVE", 0)
     result, module, optimizers = restore(tmp_path, maker=wide)
     assert result.step == 6 and result.problems
     assert_state(truth, result, module, optimizers)
