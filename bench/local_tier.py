@@ -14,7 +14,7 @@ which first takes what the node-local tier holds into the run root.
     lost = the last STEP printed - the restored step
 
 Configurations: run root (``local``: a temp dir; ``s3``: ``s3://`` on a moto server on loopback,
-in this process, as ``tests/s3env.py`` starts it) x ``write_batch`` in (1, 4, 16, 64) x journal
+a process of its own: ``bench/s3server.py``) x ``write_batch`` in (1, 4, 16, 64) x journal
 (``off``: ``local_dir=None``, the behaviour before the local tier; ``on``: ``local_dir`` a temp
 folder of the trial's own). Each of ``--trials`` rounds runs every configuration once, the order
 reversed every other round. Also reported with the journal on: ``node loss``, the steps lost had
@@ -63,12 +63,12 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
 
+from s3server import LoopbackS3
+
 BATCHES = (1, 4, 16, 64)
 BACKENDS = ("local", "s3")
 JOURNAL = ("off", "on")
 BUCKET = "diffckpt-local-tier"
-KEY = SECRET = "testing"
-REGION = "us-east-1"
 MERGED = re.compile(r"held steps (\d+)\.\.(\d+) of session")
 
 
@@ -157,45 +157,6 @@ def child_cost(args: argparse.Namespace) -> None:
         engine.close()
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     say("RESULT " + json.dumps({"s_per_step": wall / args.steps, "cpu_per_step": cpu / args.steps}))
-
-
-# ------------------------------------------------------------------------------------- S3 (moto)
-class Moto:
-    """A moto S3 server on loopback, in this process (``tests/s3env.py`` ``start_moto``), with
-    one bucket; ``env`` points s3fs at it (``s3env.s3_env``) here and in the subprocesses."""
-
-    def __init__(self) -> None:
-        import boto3
-        from moto.server import ThreadedMotoServer
-
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)
-        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        self.server.start()
-        host, port = self.server.get_host_and_port()
-        self.endpoint = f"http://{host}:{port}"
-        self.env = {"AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_DEFAULT_REGION": REGION,
-                    "AWS_ENDPOINT_URL": self.endpoint, "AWS_MAX_ATTEMPTS": "1", "AWS_RETRY_MODE": "standard",
-                    "AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": "/nonexistent/diffckpt-bench/config",
-                    "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/diffckpt-bench/credentials"}
-        os.environ.update(self.env)
-        client = boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=KEY, aws_secret_access_key=SECRET,
-                              region_name=REGION)
-        try:
-            client.create_bucket(Bucket=BUCKET)
-        finally:
-            client.close()
-
-    def clear(self, url: str) -> None:
-        """Delete every object under ``url`` (moto keeps them in memory)."""
-        import s3fs
-
-        fs = s3fs.S3FileSystem(skip_instance_cache=True, endpoint_url=self.endpoint, key=KEY, secret=SECRET,
-                               client_kwargs={"region_name": REGION})
-        with contextlib.suppress(FileNotFoundError):
-            fs.rm(url, recursive=True)
-
-    def stop(self) -> None:
-        self.server.stop()
 
 
 # ---------------------------------------------------------------------------------------- part 1
@@ -288,7 +249,7 @@ def run_trial(trial: Trial, rng: random.Random, args: argparse.Namespace, merges
                    resume_s)
 
 
-def part1(args: argparse.Namespace, work: str, moto: Moto | None) -> dict[tuple[str, int, str], list[Outcome]]:
+def part1(args: argparse.Namespace, work: str, moto: LoopbackS3 | None) -> dict[tuple[str, int, str], list[Outcome]]:
     rng = random.Random(args.seed)
     configs = [(b, n, j) for b in args.backends for n in args.batches for j in JOURNAL]
     schedule: list[Trial] = []
@@ -328,7 +289,7 @@ def part1(args: argparse.Namespace, work: str, moto: Moto | None) -> dict[tuple[
 
 
 # ---------------------------------------------------------------------------------------- part 2
-def part2(args: argparse.Namespace, work: str, moto: Moto | None) -> dict[tuple[str, str], dict[str, float]]:
+def part2(args: argparse.Namespace, work: str, moto: LoopbackS3 | None) -> dict[tuple[str, str], dict[str, float]]:
     env = {**os.environ, **(moto.env if moto else {}), "PYTHONPATH": ROOT}
     out: dict[tuple[str, str], dict[str, float]] = {}
     for backend in args.backends:
@@ -436,7 +397,9 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(args.threads)  # as in the training processes (the report's header says so)
     work = tempfile.mkdtemp(prefix="bench-local-tier-")
-    moto = Moto() if "s3" in args.backends else None
+    moto = LoopbackS3(BUCKET) if "s3" in args.backends else None
+    if moto is not None:
+        moto.export()  # the resumes in this process reach it as the trials' processes do
     started = time.perf_counter()
     try:
         lost = part1(args, work, moto) if args.skip != "lost" else {}

@@ -47,9 +47,7 @@ import itertools
 import logging
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -65,6 +63,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
 
 from gpt import GPT, SIZES, make_loader, plain_step
 from provenance import header, report_path, write_report
+from s3server import LoopbackS3
 
 from diffckpt import CheckpointEngine, CheckpointOptions, FsspecStorage
 
@@ -139,58 +138,6 @@ class CountingStorage:
         return self.inner.exists(path)  # type: ignore[no-any-return]
 
 
-# --------------------------------------------------------------------------------- S3 server
-class S3:
-    """A loopback moto S3 server with one bucket."""
-
-    def __init__(self) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        # A process of its own, like a real S3 endpoint: its CPU work does not share training's
-        # interpreter (and GIL), though on a small machine it still shares the cores.
-        self.server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.endpoint = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or self.server.poll() is not None:
-                    raise RuntimeError("the moto server did not start") from None
-                time.sleep(0.1)
-        self.options = {
-            "endpoint_url": self.endpoint,
-            "key": "testing",
-            "secret": "testing",
-            "client_kwargs": {"region_name": "us-east-1"},
-        }
-        import boto3
-
-        self.client = boto3.client(
-            "s3",
-            endpoint_url=self.endpoint,
-            aws_access_key_id="testing",
-            aws_secret_access_key="testing",
-            region_name="us-east-1",
-        )
-        self.client.create_bucket(Bucket=BUCKET)
-
-    def clear(self, prefix: str) -> None:
-        """Delete every object under ``prefix`` (moto keeps them in memory)."""
-        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
-        for page in pages:
-            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
-            if keys:
-                self.client.delete_objects(Bucket=BUCKET, Delete={"Objects": keys})
-
-    def stop(self) -> None:
-        self.server.terminate()
-        self.server.wait(timeout=30)
-
-
 # ------------------------------------------------------------------------------ one run
 def batches(size: str):
     """An endless stream of training batches (the loader re-shuffles each epoch)."""
@@ -200,7 +147,7 @@ def batches(size: str):
 
 
 def run_once(config: tuple[str, int, str] | None, args: argparse.Namespace, steps: int,
-             warmup: int, s3: S3 | None) -> dict[str, Any]:
+             warmup: int, s3: LoopbackS3 | None) -> dict[str, Any]:
     """Train ``steps`` steps; ``config``: (backend, write_batch, compression), None: baseline."""
     torch.manual_seed(0)
     model = GPT(args.size, total_steps=steps)
@@ -435,7 +382,7 @@ def main() -> None:
 
     info = machine_info(args, steps, warmup)
     t_start = time.perf_counter()
-    s3 = S3()
+    s3 = LoopbackS3(BUCKET)
     try:
         # The baseline runs before each backend's block, so twice per round.
         order: list[Any] = []
