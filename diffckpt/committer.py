@@ -89,11 +89,17 @@ class Committer:
         self.settle(WAITING)
         with self._lock:
             self._queue.append((segment, name, records, raw))
-            if not self._running:
-                self._running = True
-                self.thread = threading.Thread(target=self._commit_segments, name=f"diffckpt-commit-g{self.gen}",
-                                               daemon=True)
-                self.thread.start()
+            if self._running:
+                return
+            self._running = True
+            thread = threading.Thread(target=self._commit_segments, name=f"diffckpt-commit-g{self.gen}", daemon=True)
+            try:
+                thread.start()
+                self.thread = thread
+                return
+            except RuntimeError:  # Python 3.12+ starts no thread at interpreter shutdown (a flush at exit)
+                pass
+        self._commit_segments()  # so the writer thread commits, in order, before it goes on
 
     def settle(self, waiting: int = 0) -> None:
         """Wait until at most ``waiting`` segments are handed over and not committed (``0``: all

@@ -42,8 +42,9 @@ def s3_server():
     For the session, ``os.environ`` holds test credentials, region, ``AWS_ENDPOINT_URL`` (this
     server) and a single botocore attempt, so code that reads the environment finds moto.
     """
-    from s3env import s3_env, start_moto
+    from s3env import need_s3_packages, s3_env, start_moto
 
+    need_s3_packages()
     server, endpoint = start_moto()
     with pytest.MonkeyPatch.context() as mp:
         for name, value in s3_env(endpoint).items():

@@ -21,7 +21,7 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFile
 from fsspec.spec import AbstractBufferedFile
 
-from ..errors import CheckpointNotFoundError, StorageError
+from ..errors import CheckpointNotFoundError, StorageError, UnsupportedConfigurationError
 from .protocol import Buffer, Data, as_bytes, data_size
 from .retry import is_transient
 from .spool import Spool, temporary_spool
@@ -112,7 +112,11 @@ class FsspecStorage:
     def __init__(self, url: str, *, part_size: int = 32 << 20, multipart_threshold: int = 64 << 20,
                  **storage_options: Any) -> None:
         self.url = str(url)
-        self.fs, root = fsspec.core.url_to_fs(self.url, **storage_options)
+        try:
+            self.fs, root = fsspec.core.url_to_fs(self.url, **storage_options)
+        except ImportError as exc:  # the file system's own package (s3fs, gcsfs, adlfs...) is missing
+            extra = " (pip install 'diffckpt[s3]')" if self.url.startswith(("s3://", "s3a://")) else ""
+            raise UnsupportedConfigurationError(f"cannot open {self.url}: {exc}{extra}") from exc
         self.root = root.rstrip("/") if root not in ("/", "") else root
         self.local = isinstance(self.fs, LocalFileSystem)
         self.part_size = part_size

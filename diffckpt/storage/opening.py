@@ -14,7 +14,7 @@ from typing import Any
 
 from ..errors import CheckpointNotFoundError, DiffCkptError
 from .fsspec_storage import FsspecStorage, explain
-from .protocol import Data, InspectableStorage, Storage
+from .protocol import Data, InspectableStorage, Storage, is_storage
 from .retry import RetryingStorage, RetryPolicy
 from .spool import Spool, open_spool, ranged, read_range
 
@@ -107,8 +107,11 @@ def open_storage(url: str | os.PathLike[str] | Storage, *, retry: RetryPolicy | 
         return url
     if isinstance(url, (FsspecStorage, _Explained)):
         inner: Any = url
-    elif isinstance(url, Storage) and not isinstance(url, (str, os.PathLike)):
+    elif is_storage(url) and not isinstance(url, (str, os.PathLike)):
         inner = _Explained(url)
-    else:
+    elif isinstance(url, (str, os.PathLike)):
         inner = FsspecStorage(os.fspath(url), **storage_options)
+    else:
+        raise TypeError(f"cannot open a {type(url).__name__} as storage: give a path, a URL or a Storage (an object "
+                        "with url, write, create, read, list, delete and exists)")
     return RetryingStorage(inner, retry)

@@ -20,7 +20,7 @@ from typing import Protocol, runtime_checkable
 
 from .spool import Spool  # a leaf: spool.py imports nothing of this module at run time
 
-__all__ = ["Buffer", "Data", "InspectableStorage", "Storage", "as_bytes", "data_size"]
+__all__ = ["Buffer", "Data", "InspectableStorage", "Storage", "as_bytes", "data_size", "is_storage"]
 
 Buffer = bytes | memoryview
 Data = bytes | Sequence[Buffer] | Spool
@@ -71,6 +71,16 @@ class Storage(Protocol):
 
     def exists(self, path: str) -> bool:
         """Whether an object is present."""
+
+
+_STORAGE_MEMBERS = ("url", "write", "create", "read", "list", "delete", "exists")
+
+
+def is_storage(obj: object) -> bool:
+    """Whether ``obj`` has what :class:`Storage` asks for: ``isinstance``, or on Python 3.12 and
+    later, where ``isinstance`` misses methods a wrapper forwards through ``__getattr__``, the
+    same members found as a call finds them."""
+    return isinstance(obj, Storage) or all(hasattr(obj, name) for name in _STORAGE_MEMBERS)
 
 
 @runtime_checkable

@@ -101,6 +101,8 @@ def probe(url: str, storage_options: dict[str, Any], sizes: Sequence[int], repea
     directories the probe created are removed too, so the location is left as it was found."""
     try:
         storage = open_storage(url, retry=retry, **storage_options)
+    except UnsupportedConfigurationError:  # it names the URL already
+        raise
     except (ValueError, ImportError, TypeError) as exc:
         raise UnsupportedConfigurationError(f"cannot open {url}: {exc}") from exc
     prefix = f"{PROBE_PREFIX}/tune-{uuid.uuid4().hex[:12]}"

@@ -29,8 +29,13 @@ def test_version_flag_prints_the_one_version(capsys: Cap) -> None:
     assert main(["--version"]) == 0
     assert capsys.readouterr().out.strip() == f"diffckpt {diffckpt.__version__}"
     # The installed distribution reads the same attribute (pyproject: dynamic version).
-    from importlib.metadata import version
-    assert version("diffckpt") == diffckpt.__version__
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        installed = version("diffckpt")
+    except PackageNotFoundError:  # the checkout on PYTHONPATH, not installed (as make gpu-check runs it)
+        pytest.skip("diffckpt is not installed")
+    assert installed == diffckpt.__version__
 
 
 @pytest.mark.parametrize("command", ["ls", "verify", "export", "gc", "compact"])

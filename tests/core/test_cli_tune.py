@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from faultproxy import FaultProxy
-from s3env import S3Target, s3_storage_options
+from s3env import S3Target, need_s3_packages, s3_storage_options
 
 from diffckpt.cli import main
 from diffckpt.tuning.planner import STATE_S
@@ -197,6 +197,7 @@ def test_missing_bucket_exits_1(s3_bucket: S3Target, capsys: Cap) -> None:
 
 
 def test_unreachable_endpoint_exits_1(capsys: Cap) -> None:
+    need_s3_packages()
     with socket.socket() as s:  # a free port, closed again: nothing listens there
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -13,6 +13,7 @@ import pytest
 import torch
 from engine_runs import assert_state, base_dir, restore, train
 from helpers import assert_bitwise_equal, subprocess_env
+from s3env import need_s3_packages
 from test_compressed import CODECS, Run
 from test_compressed import make as make_coded
 
@@ -152,6 +153,7 @@ def test_bad_input_is_named_and_writes_nothing(run: tuple[Path, dict[int, Any]],
     assert rc == 1 and "000000000006-000000000009" in err, err
     assert not base_dir(root, 12).exists()
     # Unreachable object storage: exit 1 after the retry budget, with what to check.
+    need_s3_packages()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -14,6 +14,7 @@ import random
 import re
 import threading
 import time
+import types
 import warnings
 from pathlib import Path
 
@@ -311,3 +312,23 @@ def test_close_without_timeout_in_raise_mode_does_not_hang_in_an_outage(tmp_path
         engine.close()
     assert not engine.started and engine.durable_step == 3
     assert "steps 4..6 were not written" in _messages(caplog)
+
+
+def test_a_flush_where_no_thread_can_start_commits_on_the_writer_thread(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Python 3.12 and later start no thread at interpreter shutdown: an ``atexit`` flush (the
+    transformers adapter's, after an exception) must still commit every segment, in order."""
+    from diffckpt import committer
+
+    class NoThreadAtShutdown(threading.Thread):
+        def start(self) -> None:
+            raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    monkeypatch.setattr(committer, "threading", types.SimpleNamespace(**{**vars(threading),
+                                                                        "Thread": NoThreadAtShutdown}))
+    root = tmp_path / "run"
+    engine, truth, m, o = _start(FaultyStorage(str(root)), write_batch=3)
+    train_steps(engine, m, o, 1, 10, truth)
+    assert engine.close() == 10
+    assert engine.recorder.writer is None and committer.threading.Thread is NoThreadAtShutdown
+    _assert_every_step_restores(root, truth, 10)

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from diffckpt import CheckpointNotFoundError, StorageUnavailableError
+from diffckpt import CheckpointNotFoundError, StorageUnavailableError, UnsupportedConfigurationError
 from diffckpt.format import BaseName
 from diffckpt.lifecycle.retention import RetentionPolicy, plan_gc
 from diffckpt.runstore import RunStore
@@ -122,6 +122,42 @@ def test_a_plain_storage_is_not_made_inspectable() -> None:
     assert isinstance(storage, Storage) and not isinstance(storage, InspectableStorage)
     assert type(storage) is RetryingStorage and not isinstance(unwrap(storage), InspectableStorage)
     assert not hasattr(storage, "details") and not hasattr(unwrap(storage), "details")
+
+
+class Forwarding:
+    """A caller's wrapper that forwards every method to another storage through ``__getattr__``
+    (as the test suite's fault wrappers do): Python 3.12's ``isinstance`` does not see those
+    methods, so ``open_storage`` must not take it for a path."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.url = inner.url
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["inner"], name)
+
+
+def test_a_wrapper_forwarding_through_getattr_is_a_storage_and_anything_else_a_clear_error() -> None:
+    storage = open_storage(Forwarding(Plain()))
+    assert type(unwrap(storage)).__name__ == "_Explained"  # wrapped as a caller's storage, not a path
+    storage.write("a.bin", b"xy")
+    assert storage.read("a.bin") == b"xy" and storage.list("") == {"a.bin": 2}
+    with pytest.raises(TypeError, match="cannot open a dict as storage: give a path, a URL or a Storage"):
+        open_storage({"url": "memory://x"})  # type: ignore[arg-type]
+
+
+def test_a_url_whose_file_system_package_is_missing_names_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+
+    registry = importlib.import_module("fsspec.registry")  # the module: ``fsspec.registry`` is a mapping
+    # what fsspec raises for s3:// without s3fs (the GPU machine has none): a clear configuration
+    # error naming the URL and the extra to install, not a bare ImportError from deep in fsspec
+    monkeypatch.setitem(registry.known_implementations, "s3",
+                        {"class": "s3fs_is_not_installed.S3FileSystem", "err": "Install s3fs to access S3"})
+    monkeypatch.delitem(registry._registry, "s3", raising=False)
+    with pytest.raises(UnsupportedConfigurationError,
+                       match=r"cannot open s3://bucket/run: Install s3fs to access S3 \(pip install 'diffckpt\[s3\]'\)"):
+        open_storage("s3://bucket/run")
 
 
 def test_an_inspectable_caller_storage_stays_inspectable_through_both_wrappers() -> None:

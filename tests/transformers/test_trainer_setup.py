@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from s3env import need_s3_packages
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 from diffckpt import (
@@ -137,6 +138,7 @@ def test_a_missing_segment_resumes_the_newest_step_still_durable(trained, tmp_pa
 
 
 def test_an_unreachable_bucket_is_a_clear_error_at_trainer_creation(tmp_path):
+    need_s3_packages()
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
