@@ -33,7 +33,7 @@ from engine_runs import (
 )
 from helpers import assert_bitwise_equal
 
-import diffckpt.writer as writer_module
+import diffckpt.handoff as handoff_module
 from diffckpt import (
     CheckpointEngine,
     CheckpointNotFoundError,
@@ -554,7 +554,7 @@ def test_read_only_disk_at_start_is_raised_at_once(tmp_path: Path) -> None:
 # =========================================================================================
 def test_slow_storage_makes_training_wait_and_drops_nothing(tmp_path: Path, caplog: pytest.LogCaptureFixture,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(writer_module, "_WARN_AFTER_S", 0.0)  # the waits here are short ones
+    monkeypatch.setattr(handoff_module, "_WARN_AFTER_S", 0.0)  # the waits here are short ones
     root = tmp_path / "run"
     storage = FaultyStorage(str(root), latency=0.05)
     with caplog.at_level(logging.WARNING, logger="diffckpt"):
