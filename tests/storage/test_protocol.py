@@ -146,7 +146,8 @@ def test_a_wrapper_forwarding_through_getattr_is_a_storage_and_anything_else_a_c
         open_storage({"url": "memory://x"})  # type: ignore[arg-type]
 
 
-def test_a_url_whose_file_system_package_is_missing_names_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_url_whose_file_system_package_is_missing_names_the_package(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     import importlib
 
     registry = importlib.import_module("fsspec.registry")  # the module: ``fsspec.registry`` is a mapping
@@ -158,6 +159,11 @@ def test_a_url_whose_file_system_package_is_missing_names_the_package(monkeypatc
     with pytest.raises(UnsupportedConfigurationError,
                        match=r"cannot open s3://bucket/run: Install s3fs to access S3 \(pip install 'diffckpt\[s3\]'\)"):
         open_storage("s3://bucket/run")
+    from diffckpt.cli import main
+
+    assert main(["ls", "s3://bucket/run"]) == 2  # the CLI: one line, no traceback
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot open s3://bucket/run: Install s3fs") and "Traceback" not in err
 
 
 def test_an_inspectable_caller_storage_stays_inspectable_through_both_wrappers() -> None:
