@@ -306,7 +306,9 @@ class BackgroundWriter:
         if last is not None:
             record["buffers"] = {k: v for k, v in buffers.items()
                                  if k not in last or not torch.equal(last[k], v)}
-        self._last_buffers = {**(last or {}), **buffers}
+        # Buffers staged from the GPU sit in pooled host buffers that the next record reuses once
+        # released below: kept as they are, the next comparison would see its own values.
+        self._last_buffers = {**(last or {}), **({k: v.clone() for k, v in buffers.items()} if staged else buffers)}
         params = record.pop("fingerprint_params", None)
         if params is not None:
             record["fingerprint"] = fingerprint(params)

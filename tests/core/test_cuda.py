@@ -46,9 +46,15 @@ def test_cuda_generators_are_captured_and_restored() -> None:
     assert torch.equal(torch.rand(8, device="cuda"), expected)
 
 
+def _model() -> torch.nn.Module:
+    """With a batch norm: buffers that change every step, staged through the pinned pool."""
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.GELU(),
+                               torch.nn.Linear(32, 4)).cuda()
+
+
 def test_a_cuda_run_replays_onto_the_device_and_loads_as_cuda_tensors(tmp_path: Path) -> None:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)).cuda()
+    model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     engine = CheckpointEngine(str(tmp_path), CheckpointOptions(write_batch=3, base_every_n_steps=None))
     engine.start(model, [opt], 0)
@@ -62,7 +68,7 @@ def test_a_cuda_run_replays_onto_the_device_and_loads_as_cuda_tensors(tmp_path: 
     truth = untouched(model, [opt])
     assert engine.close() == 7
     torch.manual_seed(0)
-    fresh = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)).cuda()
+    fresh = _model()
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2, fused=True)
     assert CheckpointEngine(str(tmp_path)).restore(fresh, [fresh_opt]).step == 7
     assert_bitwise_equal(truth, untouched(fresh, [fresh_opt]))
