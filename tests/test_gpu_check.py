@@ -67,7 +67,8 @@ def test_the_dry_run_goes_through_every_part_and_reports_each(tmp_path: Path) ->
     assert set(runs) == {"none", "diffckpt", "dcp-1", "dcp-10"}
     assert runs["none"]["ratio"] == 1.0 and runs["diffckpt"]["bytes_per_step"] > 0 and runs["dcp-1"]["bytes_per_step"] > 0
     restore = found["restore"]["details"]
-    assert restore["diffckpt"]["exact"] is True and restore["diffckpt"]["steps"] == restore["limit"]["steps"] > 0
+    assert restore["diffckpt"]["exact"] is True and restore["diffckpt"]["replayed"] == restore["limit"]["steps"]
+    assert restore["diffckpt"]["base_step"] + restore["diffckpt"]["replayed"] == restore["diffckpt"]["steps"] > 0
     report = (tmp_path / "gpu-check.md").read_text()
     for name, part in found.items():
         assert f"| {name} | {part['status']} |" in report
