@@ -25,8 +25,9 @@ durable when the loop ended; diffckpt's ``max_pending_bytes`` and the most its q
 
 After a ``diffckpt`` or ``lightning`` run, the newest durable step is restored in a fresh process
 onto a freshly built model and optimizer and checked bitwise against the trained state, and
-``limit`` (``gpu_scale.py``'s restore limit: ``torch.load`` of the full state at step 0 plus one
-bare ``optimizer.step()`` per step replayed, on gradients already in memory) runs in another.
+``limit`` (``gpu_scale.py``'s restore limit: ``torch.load`` of a full state with its optimizer
+moments, the size of a base, plus one bare ``optimizer.step()`` per step replay took from its
+base, on gradients already in memory) runs in another.
 
 Targets (the issue's), printed as pass/miss: training at most 1.03x no checkpointing; peak RSS at
 most none's peak + ``max_pending_bytes`` + one step's fp32 gradients (parameters x 4 bytes);
@@ -406,15 +407,13 @@ def restore_child(args: argparse.Namespace) -> dict[str, Any]:
     model, opt = build(args)
     exact = None
     if args.config == "limit":
-        base = os.path.join(args.rundir, "base0.pt")
-        # Step 0's full state is the freshly built one (seeded, AdamW's moments not yet created):
-        # the limit writes it itself, so no training run pays for it.
-        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, base)
-        steps = args.steps_replayed
+        # The trained state (model and AdamW moments: what a base holds), written by the run
+        # restored before, then as many bare steps as replay took from its base.
+        steps = replayed = args.steps_replayed
         grads = [torch.randn_like(p) for p in model.parameters()]
         sampler.mark("restore")
         t0 = time.perf_counter()
-        load_and_step(model, opt, base, "cpu", grads, steps)
+        load_and_step(model, opt, os.path.join(args.rundir, "final.pt"), "cpu", grads, steps)
         seconds, rss = time.perf_counter() - t0, rss_peak()
         sampler.mark("check")
     else:
@@ -423,11 +422,13 @@ def restore_child(args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         result = CheckpointEngine(os.path.join(args.rundir, "run")).resume(module, [opt])
         seconds, steps, rss = time.perf_counter() - t0, result.step, rss_peak()  # before the check's load
+        replayed = result.replayed
         sampler.mark("check")
         truth = torch.load(os.path.join(args.rundir, "final.pt"), map_location="cpu", weights_only=True)
         exact = same(portable({"model": module.state_dict(), "optimizer": opt.state_dict()}), truth)
     samples = sampler.stop()
-    return {"config": args.config, "seconds": seconds, "steps": steps, "exact": exact, "rss_peak": rss,
+    return {"config": args.config, "seconds": seconds, "steps": steps, "replayed": replayed, "exact": exact,
+            "rss_peak": rss,
             "rss_sampled_peak": peak_in(samples, ("restore",)), "rss_curve": samples}
 
 
@@ -487,16 +488,16 @@ def run_all(args: argparse.Namespace, configs: list[str], workdir: str) -> dict[
                     x = run_child("restore", config, rundir, args)
                     x["round"] = rnd
                     restores[config].append(x)
-                    if "error" not in x and x["steps"] not in round_limits:
-                        lim = run_child("restore", "limit", rundir, args, replayed=x["steps"])
+                    if "error" not in x and x["replayed"] not in round_limits:
+                        lim = run_child("restore", "limit", rundir, args, replayed=x["replayed"])
                         lim["round"] = rnd
                         limits.append(lim)
-                        round_limits[x["steps"]] = lim
-                    lim = round_limits.get(x.get("steps", -1), {})
+                        round_limits[x["replayed"]] = lim
+                    lim = round_limits.get(x.get("replayed", -1), {})
                     x["limit_s"] = lim.get("seconds")
                     print(f"round {rnd + 1}/{args.rounds} restore {config:7s} " + (
                         x["error"] if "error" in x else
-                        f"{x['seconds']:8.3f} s ({x['steps']} steps)  limit {fmt(x['limit_s'], '.3f')} s  "
+                        f"{x['seconds']:8.3f} s (step {x['steps']}, {x['replayed']} replayed)  limit {fmt(x['limit_s'], '.3f')} s  "
                         f"peak RSS {x['rss_peak'] / 1e6:8.0f} MB  bitwise {x['exact']}"), flush=True)
             finally:
                 shutil.rmtree(rundir, ignore_errors=True)
@@ -550,7 +551,7 @@ def summarise(data: dict[str, Any]) -> dict[str, Any]:
         restores[config] = {
             "seconds": med([x["seconds"] for x in xs]), "limit_s": med([x.get("limit_s") for x in xs]),
             "ratio": med([x["seconds"] / x["limit_s"] for x in xs if x.get("limit_s")]),
-            "steps": xs[0]["steps"], "rss_peak": med([x["rss_peak"] for x in xs]),
+            "steps": xs[0]["steps"], "replayed": xs[0].get("replayed"), "rss_peak": med([x["rss_peak"] for x in xs]),
             "train_rss_peak": med([trained[x["round"]]["rss_peak"] for x in xs if x["round"] in trained]),
             "exact": all(x["exact"] for x in xs),
         }
@@ -602,11 +603,11 @@ def render(data: dict[str, Any], summary: dict[str, Any]) -> list[str]:
                  "-" if nd is None else f"{nd:.0f} steps", mb(r["max_pending_bytes"]), mb(r["queued_peak"])]
         lines.append("| " + " | ".join(cells) + " |")
     if summary["restores"]:
-        lines += ["", "| restore | s | limit s | vs limit | steps replayed | peak RSS | training run's peak "
+        lines += ["", "| restore | s | limit s | vs limit | step (replayed from its base) | peak RSS | training run's peak "
                   "| bitwise equal |", "|---|---:|---:|---:|---:|---:|---:|---|"]
         for config, x in summary["restores"].items():
             lines.append(f"| {config} | {x['seconds']:.2f} | {fmt(x['limit_s'], '.2f')} | {fmt(x['ratio'], '.2f')}× "
-                         f"| {x['steps']} | {mb(x['rss_peak'])} | {mb(x['train_rss_peak'])} "
+                         f"| {x['steps']} ({x.get('replayed')}) | {mb(x['rss_peak'])} | {mb(x['train_rss_peak'])} "
                          f"| {'yes' if x['exact'] else '**no**'} |")
         lines += ["", f"Limit (full load + bare steps) peak RSS: {mb(summary['limit_rss_peak'])}."]
     if summary["targets"]:
@@ -628,8 +629,9 @@ NOTES = (
     "step minus the newest durable (or, for torch.save, written) step when the loop ended. "
     "`queue peak`: the most bytes diffckpt's writer queue held at a sample. Restore: a fresh "
     "process, the newest durable step onto a freshly built model and optimizer, its peak RSS "
-    "taken before the bitwise check loads the truth; `limit`: torch.load of step 0's full state "
-    "plus one bare AdamW step per step replayed, on random gradients built before the clock starts."
+    "taken before the bitwise check loads the truth; `limit`: torch.load of a full state with AdamW's "
+    "moments (the size of a base) plus one bare AdamW step per step replay took from its base, on "
+    "random gradients built before the clock starts."
 )
 
 
