@@ -409,7 +409,8 @@ def restore(s: Settings, part: Part) -> None:
     ours = result_of(run_child(python("gpu_scale.py", "restore", "diffckpt", "--workdir", s.workdir, *scale_args(s)),
                                s.env, max(1.0, end - time.monotonic())), "restore")
     limit = result_of(run_child(python("gpu_scale.py", "restore", "limit", "--workdir", s.workdir,
-                                       "--steps-replayed", str(ours["replayed"]), *scale_args(s)),
+                                       "--steps-replayed", str(ours["replayed"]), "--base-step",
+                                       str(ours["base_step"]), *scale_args(s)),
                                 s.env, max(1.0, end - time.monotonic())), "limit")
     ratio = ours["seconds"] / limit["seconds"]
     part.details.update(diffckpt=ours, limit=limit, ratio=ratio)

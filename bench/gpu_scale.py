@@ -222,18 +222,33 @@ def restore(args: argparse.Namespace) -> dict[str, Any]:
         replayed, base_step = result.replayed, result.base_step
         truth = torch.load(os.path.join(args.workdir, "final.pt"), map_location="cpu", weights_only=True)
         exact = same(portable({"model": model.state_dict(), "optimizer": opt.state_dict()}), truth)
-    else:  # a full state with its optimizer moments (what a base holds), then replay's step count
+    else:  # the state diffckpt's base held, then as many bare steps as replay took from it
         steps = replayed = args.steps_replayed
-        base_step = None
+        base_step = args.base_step
+        path = limit_state(args.workdir, base_step, model, opt)
         grads = [torch.randn_like(p) for p in model.parameters()]
         sync(args.device)
         t0 = time.perf_counter()
-        load_and_step(model, opt, os.path.join(args.workdir, "final.pt"), args.device, grads, steps)
+        load_and_step(model, opt, path, args.device, grads, steps)
         sync(args.device)
         seconds, exact, rss = time.perf_counter() - t0, None, rss_peak()
     return {"config": args.config, "seconds": seconds, "steps": steps, "replayed": replayed, "base_step": base_step,
             "exact": exact, "rss_peak": rss,
             "device_peak": torch.cuda.max_memory_allocated() if args.device == "cuda" else None}
+
+
+def limit_state(folder: str, base_step: int, model: Any, opt: Any) -> str:
+    """The file of full state the restore limit loads: what diffckpt's base held. A base at step 0
+    holds the freshly built model and an optimizer without moments (written here from the fresh
+    ``model`` and ``opt``, so that no training run pays for it); a later base holds the moments,
+    as the trained state in ``final.pt`` does (the same tensors)."""
+    import torch
+
+    if base_step > 0:
+        return os.path.join(folder, "final.pt")
+    path = os.path.join(folder, "base0.pt")
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+    return path
 
 
 def load_and_step(model: Any, opt: Any, path: str, device: str, grads: list[Any], steps: int) -> None:
@@ -265,6 +280,7 @@ def main() -> None:
     ap.add_argument("--max-seconds", type=float, default=float("inf"),
                     help="stop timing after this long (at least 3 steps), timed over the steps made")
     ap.add_argument("--steps-replayed", type=int, default=0, help="restore limit: bare optimizer steps")
+    ap.add_argument("--base-step", type=int, default=0, help="restore limit: the step of diffckpt's base")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     import torch

@@ -25,9 +25,9 @@ durable when the loop ended; diffckpt's ``max_pending_bytes`` and the most its q
 
 After a ``diffckpt`` or ``lightning`` run, the newest durable step is restored in a fresh process
 onto a freshly built model and optimizer and checked bitwise against the trained state, and
-``limit`` (``gpu_scale.py``'s restore limit: ``torch.load`` of a full state with its optimizer
-moments, the size of a base, plus one bare ``optimizer.step()`` per step replay took from its
-base, on gradients already in memory) runs in another.
+``limit`` (``gpu_scale.py``'s restore limit: ``torch.load`` of the full state diffckpt's base
+held, with or without AdamW's moments as the base had them, plus one bare ``optimizer.step()``
+per step replay took from its base, on gradients already in memory) runs in another.
 
 Targets (the issue's), printed as pass/miss: training at most 1.03x no checkpointing; peak RSS at
 most none's peak + ``max_pending_bytes`` + one step's fp32 gradients (parameters x 4 bytes);
@@ -64,7 +64,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
 
 # gpu_scale puts tests/ on the path too (its bitwise check uses tests/helpers.py).
-from gpu_scale import SIZES, batches, build, dir_bytes, load_and_step, rss_peak, same, step_fn
+from gpu_scale import (
+    SIZES,
+    batches,
+    build,
+    dir_bytes,
+    limit_state,
+    load_and_step,
+    rss_peak,
+    same,
+    step_fn,
+)
 
 CONFIGS = ["none", "diffckpt", "lightning", "torch-save-10", "dcp-10"]
 CONFIG_RE = re.compile(r"none|diffckpt|diffckpt-nolocal|lightning|lightning-none|torch-save-\d+|dcp-\d+")
@@ -407,13 +417,12 @@ def restore_child(args: argparse.Namespace) -> dict[str, Any]:
     model, opt = build(args)
     exact = None
     if args.config == "limit":
-        # The trained state (model and AdamW moments: what a base holds), written by the run
-        # restored before, then as many bare steps as replay took from its base.
         steps = replayed = args.steps_replayed
+        path = limit_state(args.rundir, args.base_step, model, opt)
         grads = [torch.randn_like(p) for p in model.parameters()]
         sampler.mark("restore")
         t0 = time.perf_counter()
-        load_and_step(model, opt, os.path.join(args.rundir, "final.pt"), "cpu", grads, steps)
+        load_and_step(model, opt, path, "cpu", grads, steps)
         seconds, rss = time.perf_counter() - t0, rss_peak()
         sampler.mark("check")
     else:
@@ -422,24 +431,27 @@ def restore_child(args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         result = CheckpointEngine(os.path.join(args.rundir, "run")).resume(module, [opt])
         seconds, steps, rss = time.perf_counter() - t0, result.step, rss_peak()  # before the check's load
-        replayed = result.replayed
+        replayed, base_step = result.replayed, result.base_step
         sampler.mark("check")
         truth = torch.load(os.path.join(args.rundir, "final.pt"), map_location="cpu", weights_only=True)
         exact = same(portable({"model": module.state_dict(), "optimizer": opt.state_dict()}), truth)
     samples = sampler.stop()
-    return {"config": args.config, "seconds": seconds, "steps": steps, "replayed": replayed, "exact": exact,
+    return {"config": args.config, "seconds": seconds, "steps": steps, "replayed": replayed,
+            "base_step": args.base_step if args.config == "limit" else base_step, "exact": exact,
             "rss_peak": rss,
             "rss_sampled_peak": peak_in(samples, ("restore",)), "rss_curve": samples}
 
 
 # -------------------------------------------------------------------------------- driver
-def run_child(what: str, config: str, rundir: str, args: argparse.Namespace, replayed: int = 0) -> dict[str, Any]:
+def run_child(what: str, config: str, rundir: str, args: argparse.Namespace, replayed: int = 0,
+              base_step: int = 0) -> dict[str, Any]:
     """One fresh process; its output is shown only when it fails (Lightning's banner would
     otherwise break up the report)."""
     result = os.path.join(rundir, f"result-{what}-{config}.json")
     cmd = [sys.executable, os.path.abspath(__file__), "--child", what, "--config", config, "--rundir", rundir,
            "--result", result, "--size", args.size, "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--batch", str(args.batch), "--threads", str(args.threads), "--steps-replayed", str(replayed)]
+           "--batch", str(args.batch), "--threads", str(args.threads), "--steps-replayed", str(replayed),
+           "--base-step", str(base_step)]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False)
     if proc.returncode != 0:
         tail = proc.stdout[-3000:]
@@ -488,12 +500,14 @@ def run_all(args: argparse.Namespace, configs: list[str], workdir: str) -> dict[
                     x = run_child("restore", config, rundir, args)
                     x["round"] = rnd
                     restores[config].append(x)
-                    if "error" not in x and x["replayed"] not in round_limits:
-                        lim = run_child("restore", "limit", rundir, args, replayed=x["replayed"])
+                    key = (x.get("replayed"), x.get("base_step", 0) > 0)  # what the limit loads and steps
+                    if "error" not in x and key not in round_limits:
+                        lim = run_child("restore", "limit", rundir, args, replayed=x["replayed"],
+                                        base_step=x["base_step"])
                         lim["round"] = rnd
                         limits.append(lim)
-                        round_limits[x["replayed"]] = lim
-                    lim = round_limits.get(x.get("replayed", -1), {})
+                        round_limits[key] = lim
+                    lim = round_limits.get(key, {})
                     x["limit_s"] = lim.get("seconds")
                     print(f"round {rnd + 1}/{args.rounds} restore {config:7s} " + (
                         x["error"] if "error" in x else
@@ -629,9 +643,9 @@ NOTES = (
     "step minus the newest durable (or, for torch.save, written) step when the loop ended. "
     "`queue peak`: the most bytes diffckpt's writer queue held at a sample. Restore: a fresh "
     "process, the newest durable step onto a freshly built model and optimizer, its peak RSS "
-    "taken before the bitwise check loads the truth; `limit`: torch.load of a full state with AdamW's "
-    "moments (the size of a base) plus one bare AdamW step per step replay took from its base, on "
-    "random gradients built before the clock starts."
+    "taken before the bitwise check loads the truth; `limit`: torch.load of the full state the "
+    "restored base held (step 0's has no AdamW moments yet) plus one bare AdamW step per step replay "
+    "took from that base, on random gradients built before the clock starts."
 )
 
 
@@ -814,6 +828,7 @@ def main() -> None:
     ap.add_argument("--rundir", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     ap.add_argument("--steps-replayed", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--base-step", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.device = "cpu"  # what gpu_scale's helpers read
     if args.child:

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -122,15 +123,31 @@ def finish_process() -> None:
     os._exit(0)
 
 
+PACE_FROM = "DIFFCKPT_TEST_PACE_FROM"
+PACE_S = 0.3
+
+
+def print_step(step: int) -> None:
+    """Print ``STEP <n>`` for the parent test. From the step ``DIFFCKPT_TEST_PACE_FROM`` names on
+    (:func:`terminate_at_step` sets it), pause after it: the parent signals when it reads the line,
+    and on a loaded machine it may read it late, or a launcher may forward the signal late, while
+    a tiny model's steps take milliseconds."""
+    print(f"STEP {step}", flush=True)
+    pace_from = os.environ.get(PACE_FROM)
+    if pace_from is not None and step >= int(pace_from):
+        time.sleep(PACE_S)
+
+
 def terminate_at_step(script: str, args: list[str], at_step: int, prefix: list[str] | None = None,
                       env: dict[str, str | None] | None = None, timeout: float = 120
                       ) -> tuple[int, str, int | None, int]:
     """Run a training script and send SIGTERM to it (the first process: a launcher forwards it)
-    once it prints ``STEP <n>`` with ``n >= at_step``. Returns the exit status, the log, the step
-    after which it was sent (``None``: never) and the last step printed."""
+    once it prints ``STEP <n>`` with ``n >= at_step`` (the script paces its steps from there:
+    :func:`print_step`). Returns the exit status, the log, the step after which it was sent
+    (``None``: never) and the last step printed."""
     cmd = (prefix or [sys.executable]) + [os.path.join(ROOT, script), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=script_env(env), start_new_session=True)
+                            env=script_env({PACE_FROM: str(at_step), **(env or {})}), start_new_session=True)
     lines, sent_after = [], None
     assert proc.stdout is not None
     for line in proc.stdout:

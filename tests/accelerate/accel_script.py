@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, set_seed
+from helpers import print_step
 from torch.utils.data import DataLoader, TensorDataset
 
 
@@ -129,7 +130,7 @@ def main() -> None:
                     if args.save_state_at == steps:
                         accelerator.save_state(args.save_dir)
                     if accelerator.is_main_process:
-                        print(f"STEP {steps}", flush=True)
+                        print_step(steps)
                     if args.stop_at == steps:
                         raise StopTraining
     except StopTraining:

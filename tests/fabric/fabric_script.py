@@ -15,6 +15,7 @@ import random
 
 import numpy as np
 import torch
+from helpers import print_step
 from lightning.fabric import Fabric
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -85,7 +86,7 @@ def main() -> None:
             opt.zero_grad()
             steps += 1
             if fabric.is_global_zero:
-                print(f"STEP {steps}", flush=True)
+                print_step(steps)
     if ckpt is not None:
         ckpt.close()
     rank = fabric.global_rank
