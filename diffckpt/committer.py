@@ -85,8 +85,13 @@ class Committer:
 
     def start(self, segment: OpenSegment, name: SegmentName, records: int, raw: int) -> None:
         """Commit a finished segment after those handed over before it, in the commit thread;
-        wait first while ``WAITING`` segments already wait."""
-        self.settle(WAITING)
+        wait first while ``WAITING`` segments already wait. A wait that ends in an error (the writer
+        abandoned, a commit failed) keeps the segment's spool and journal for the local tier."""
+        try:
+            self.settle(WAITING)
+        except BaseException:
+            segment.keep()
+            raise
         with self._lock:
             self._queue.append((segment, name, records, raw))
             if self._running:

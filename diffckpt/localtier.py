@@ -2,29 +2,36 @@
 root did not get, checked and committed to the run root before the restore locates its step.
 
 A journal counts only when it continues the run root's newest durable chain of its session, and
-that session is the newest on the run root (fencing: a journal of a session that a later job
-superseded is stale). A journal whose process still runs is another job's, left alone. Every
-record is checked against the checksum its journal recorded; a damaged or torn one ends what is
-taken. What is taken is written as one segment of the crashed session, up to its newest
-restorable step, through the same fenced, atomic write as any segment, so a restore (here or on
-another node) sees an ordinary run root. Then the journals of that session go.
+no later session made a step durable since (a job that started later and wrote its base
+superseded it: the journal is stale; one that died before its first base did not). A journal
+whose lock is held is another process's (a running writer, or another rank taking it back), left
+alone; a resume takes the lock of every journal it merges or removes. Every record is checked
+against the checksum its journal recorded; a damaged or torn one ends what is taken. What is
+taken is written as one segment of the crashed session, up to its newest restorable step, straight
+from the spools (no copy: no extra disk), so a restore (here or on another node) sees an ordinary
+run root. Then the journals of that session go. A commit that fails leaves every journal as it
+was and stops the resume with an error: a resume that went on would supersede them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import mmap
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import DiffCkptError
+from .errors import DiffCkptError, StorageError
 from .format import CHECKSUMS, FORMAT_VERSION, SegmentName
-from .journal import JournalFile, journals, place_for, remove_folder, sweep, verified_records
+from .journal import place_for, remove_folder
+from .journalfile import JournalFile, journals, sweep, verified_records
 from .runstore import RunStore
 from .segment import SegmentEncoder
 from .shardedrun import ShardedRun
 from .storage import Storage
-from .storage.spool import open_spool
+from .storage.nodelocal import open_private, private_folder
 
 __all__ = ["LocalTier", "merge_for_rank", "merge_local_tier", "read_local_tier"]
 
@@ -57,26 +64,42 @@ class LocalTier:
         """The newest restorable step the local tier adds to the run root (``None``: none)."""
         return self.records[-1][2]["step"] if self.records else None
 
+    def release(self) -> None:
+        """Let go of every journal claimed (``read_local_tier(claim=True)``)."""
+        for journal in self.stale + self.used:
+            journal.release()
 
-def read_local_tier(store: RunStore, local_dir: str | None, fence: Storage | None = None) -> LocalTier:
-    """What this node's journals add to ``store``'s run root, read only (``diffckpt ls``).
-    ``fence``: where the sessions are (the run root, for a rank's stream)."""
+
+def read_local_tier(store: RunStore, local_dir: str | None, fence: Storage | None = None,
+                    claim: bool = False) -> LocalTier:
+    """What this node's journals add to ``store``'s run root (``diffckpt ls``, ``gc``).
+    ``fence``: where the sessions are (the run root, for a rank's stream). ``claim``: take the
+    lock of each journal not in use, to merge or remove it (:meth:`LocalTier.release`)."""
     tier = LocalTier()
     place = place_for(local_dir, store.storage.url)
-    found = journals(place.folder, place.url) if place is not None else []
+    if place is None:
+        return tier
+    try:  # nothing in a folder that is not this user's own is read
+        if not private_folder(os.path.dirname(place.folder), create=False):
+            return tier
+    except StorageError as exc:
+        log.warning("diffckpt: not reading the local tier: %s", exc)
+        return tier
+    found = journals(place.folder, place.url, claim)
     if not found:
         return tier
-    newest: dict[int, bool] = {}
+    superseded: dict[int, bool] = {}
     mine: list[JournalFile] = []
     for journal in found:
         if not journal.local:  # a shared local_dir: another host's, for a resume there
+            journal.release()
             continue
         if journal.in_use:
             tier.live.append(journal)
             continue
-        if journal.gen not in newest:
-            newest[journal.gen] = store.newer_session(journal.gen, fence) is None
-        (mine if newest[journal.gen] else tier.stale).append(journal)
+        if journal.gen not in superseded:
+            superseded[journal.gen] = moved_on(store, journal.gen, fence)
+        (tier.stale if superseded[journal.gen] else mine).append(journal)
     if not mine:
         return tier
     gen = max(j.gen for j in mine)
@@ -117,20 +140,45 @@ def read_local_tier(store: RunStore, local_dir: str | None, fence: Storage | Non
     return tier
 
 
+def moved_on(store: RunStore, gen: int, fence: Storage | None = None) -> bool:
+    """Whether a session after ``gen`` made a step durable (a base) in ``store``'s stream or at
+    the run root ``fence``: the run went on without what ``gen`` journaled, and a restore follows
+    the newest session with a base. A later session that died before its first base changed
+    nothing, and does not make ``gen``'s journals stale."""
+    stores = [store] + ([RunStore(fence)] if fence is not None and fence.url != store.storage.url else [])
+    return any(g > gen and inv.newest_step(g) is not None for inv in (s.inventory() for s in stores) for g in inv.gens())
+
+
 def merge_local_tier(store: RunStore, local_dir: str | None, fence: Storage | None = None) -> int | None:
     """Commit to ``store``'s run root what this node's journals add to it (see the module), then
-    remove the journals that are of no more use; return the step it made durable, if any."""
-    tier = read_local_tier(store, local_dir, fence)
-    for journal in tier.live:
-        if journal.pid == os.getpid():  # this process's own running session
-            continue
-        log.warning("diffckpt: the local journal %s is still being written (process %d): another session "
-                    "writes %s; it is left alone", journal.path, journal.pid, store.storage.url)
-    made = None
-    if tier.records and tier.gen is not None and tier.after is not None:
-        made = _commit(store, tier, fence)
-    for journal in tier.stale + tier.used:
-        journal.remove()
+    remove the journals that are of no more use; return the step it made durable, if any.
+
+    Raises:
+        DiffCkptError: the records could not be committed; every journal is left as it was.
+    """
+    tier = read_local_tier(store, local_dir, fence, claim=True)
+    try:
+        for journal in tier.live:
+            if journal.pid == os.getpid():  # this process's own running session
+                continue
+            log.warning("diffckpt: the local journal %s is in use (written by process %d, or being taken back by "
+                        "another process of this host): it is left alone", journal.path, journal.pid)
+        made = None
+        if tier.records and tier.gen is not None and tier.after is not None:
+            try:
+                made = _commit(store, tier, fence)
+            except (DiffCkptError, OSError) as exc:
+                first, last = tier.after + 1, tier.records[-1][2]["step"]
+                raise DiffCkptError(
+                    f"the local tier on this host holds steps {first}..{last} of session g{tier.gen} that "
+                    f"{store.storage.url} does not have, and committing them failed: {exc}. They are kept in "
+                    f"{os.path.dirname(tier.records[0][0].path)}: fix the cause and resume again (a resume that "
+                    "went on now would supersede them), or resume with CheckpointOptions(local_dir=None) to go "
+                    "on without them") from exc
+        for journal in tier.stale + tier.used:
+            journal.remove()
+    finally:
+        tier.release()
     place = place_for(local_dir, store.storage.url)
     if place is not None:
         sweep(place.folder)
@@ -140,7 +188,7 @@ def merge_local_tier(store: RunStore, local_dir: str | None, fence: Storage | No
 
 def _commit(store: RunStore, tier: LocalTier, fence: Storage | None) -> int | None:
     """Write the tier's records to the run root: a segment per run of one compression, in order,
-    each fenced against a newer session; return the newest step committed."""
+    each checked against a session that superseded them; return the newest step committed."""
     assert tier.gen is not None and tier.after is not None
     gen, after = tier.gen, tier.after
     runs: list[list[tuple[JournalFile, dict[str, Any], dict[str, Any]]]] = []
@@ -152,7 +200,7 @@ def _commit(store: RunStore, tier: LocalTier, fence: Storage | None) -> int | No
     made = None
     for run in runs:
         name = _write_segment(store, gen, after, run, fence)
-        if name is None:  # a job started since the journal was read: its records are stale
+        if name is None:  # a job made a step durable since the journal was read: its records are stale
             break
         log.warning("diffckpt: the local tier on this host held steps %d..%d of session g%d that %s did not have "
                     "(a process crash); committed them as %s", after + 1, name.last, gen, store.storage.url,
@@ -168,34 +216,51 @@ def _write_segment(store: RunStore, gen: int, after: int, run: list[tuple[Journa
     encoder = SegmentEncoder({"gen": gen, "after": after}, compression, 1, decided=compression)
     name = SegmentName(after, run[-1][2]["step"], gen)
     entries = [{k: e[k] for k in ("step", "length", "raw_length", key)} for _, _, e in run]
-    with open_spool(store.storage, name.path) as spool:
-        spool.append([encoder.start()])
-        for journal, _, entry in run:
-            with open(journal.spool, "rb") as f:
-                for pos in range(entry["offset"], entry["offset"] + entry["length"], _COPY):
-                    f.seek(pos)
-                    spool.append([f.read(min(_COPY, entry["offset"] + entry["length"] - pos))])
-        spool.append([encoder.tail(entries, last=name.last)])
-        if store.newer_session(gen, fence) is not None:
-            spool.discard()
-            return None
-        store.storage.write(name.path, spool)
-        spool.discard()
+    if moved_on(store, gen, fence):
+        return None
+    with _mapped({j.spool for j, _, _ in run}) as maps:
+        # the records' bytes straight from the spools (the page cache), checked when read: no copy
+        parts: list[bytes | memoryview] = [encoder.start()]
+        parts += [maps[j.spool][e["offset"]: e["offset"] + e["length"]] for j, _, e in run]
+        parts.append(encoder.tail(entries, last=name.last))
+        try:
+            store.storage.write(name.path, parts)
+        finally:
+            parts.clear()  # the views go before the maps close
     return name
+
+
+@contextlib.contextmanager
+def _mapped(paths: set[str]) -> Iterator[dict[str, memoryview]]:
+    """Each spool of ``paths`` mapped read-only, as a memoryview (regular files of this user)."""
+    maps: list[mmap.mmap] = []
+    try:
+        views: dict[str, memoryview] = {}
+        for path in sorted(paths):
+            fd = open_private(path)
+            try:
+                maps.append(mmap.mmap(fd, 0, access=mmap.ACCESS_READ))
+            finally:
+                os.close(fd)  # the map holds the file
+            views[path] = memoryview(maps[-1])
+        yield views
+    finally:
+        for mapped in maps:
+            # a view still held (by an error's traceback) keeps its map until it goes
+            with contextlib.suppress(BufferError):
+                mapped.close()
 
 
 def merge_for_rank(storage: Storage, local_dir: str | None, rank: int) -> None:
     """What a process of rank ``rank`` merges before a restore locates its step: the run root's
-    stream on rank 0 (the one a process records unless training is sharded), and the rank's own
-    stream of sharded training. The local tier never stops a resume: a failure to merge is
-    logged, and the restore goes on from what the run root holds."""
+    stream (on every rank: after a restart the node that journaled it may host any rank, and the
+    journal's lock lets only one process take it) and the rank's own stream of sharded training.
+
+    Raises:
+        DiffCkptError: journaled steps could not be committed (:func:`merge_local_tier`).
+    """
     if local_dir is None:
         return
     run = ShardedRun(storage)
-    for store in ([run.root] if rank == 0 else []) + [run.stream(rank)]:
-        try:
-            merge_local_tier(store, local_dir, fence=storage)
-        except (DiffCkptError, OSError) as exc:
-            log.warning("diffckpt: could not take the local tier's records of %s into the run root (%s); "
-                        "resuming from what the run root holds", store.storage.url, exc)
-
+    for store in [run.root, run.stream(rank)]:
+        merge_local_tier(store, local_dir, fence=storage)

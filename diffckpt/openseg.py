@@ -11,14 +11,20 @@ next open segment.
 
 from __future__ import annotations
 
+import logging
+import os
 import time
+from collections.abc import Callable
 from typing import Any
 
+from .errors import StorageError
 from .format import SegmentName
-from .journal import JournalPlace, JournalWriter
+from .journal import JournalPlace, JournalWriter, make_folder
 from .segment import SegmentEncoder
 from .storage import Storage
 from .storage.spool import Spool, open_spool
+
+log = logging.getLogger("diffckpt")
 
 __all__ = ["OpenSegment"]
 
@@ -26,32 +32,80 @@ _COPY = 8 << 20  # bytes moved at a time when records move on to the next segmen
 
 
 class OpenSegment:
-    """Records of session ``gen`` after step ``after``, appended to a spool as they arrive."""
+    """Records of session ``gen`` after step ``after``, appended to a spool as they arrive.
+
+    ``lost``: called with the error once the node-local tier fails here (its folder unwritable
+    or full): the segment goes on without a journal, and the writer turns the tier off."""
 
     def __init__(self, storage: Storage, gen: int, after: int, compression: str, level: int,
-                 decided: str | None = None, journal: JournalPlace | None = None) -> None:
+                 decided: str | None = None, journal: JournalPlace | None = None,
+                 lost: Callable[[BaseException], None] | None = None) -> None:
         self.storage = storage
         self.place = journal
+        self.lost = lost
         self.gen = gen
         self.after = after
         self.compression = compression
         self.level = level
         self.encoder = SegmentEncoder({"gen": gen, "after": after}, compression, level, decided)
-        # The name the segment will have is known only at its cut; the hint places the spool.
-        self.spool: Spool = open_spool(storage, SegmentName(after, after, gen).path.replace(".seg", ".open"),
-                                       journal.folder if journal is not None else None)
         # The node-local tier: each record's place and checksum, so that a resume on this node
         # after a crash takes the records back from the spool (journal.py).
         self.journal: JournalWriter | None = None
-        if journal is not None:
-            try:
-                self.journal = JournalWriter(journal.folder, journal.url, gen, after, self.spool.path)
-            except BaseException:
-                self.spool.discard()
-                raise
+        self.journaling = False  # whether each record is journaled (not once the tier failed)
         self.steps: list[tuple[int, bool]] = []  # (step, restorable) of each record, in order
         self.ends: list[int] = []  # the spool's size after each record
         self.encode_s = 0.0
+        # The name the segment will have is known only at its cut; the hint places the spool.
+        self.spool: Spool = self._open_spool(SegmentName(after, after, gen).path.replace(".seg", ".open"))
+        if self.place is not None:
+            try:
+                self.journal = JournalWriter(self.place.folder, self.place.url, gen, after, self.spool.path)
+                self.journaling = True
+            except StorageError as exc:
+                self._tier_lost(exc)
+            except BaseException:
+                self.spool.discard()
+                raise
+
+    def _open_spool(self, hint: str) -> Spool:
+        """The spool: in the journal's folder where the storage has no place of its own (object
+        stores); where that folder fails, the storage's usual place (the tier is then off); where
+        no folder can take it, memory, so that a full temporary folder does not stop training."""
+        if self.place is not None:
+            try:
+                make_folder(self.place.folder)
+                return open_spool(self.storage, hint, self.place.folder)
+            except StorageError as exc:
+                self._tier_lost(exc)
+        try:
+            return open_spool(self.storage, hint)
+        except StorageError as exc:
+            log.warning("diffckpt: %s; the open segment's records are kept in memory until it is written "
+                        "(at most write_batch records). Free space there, or set TMPDIR to a folder with room",
+                        exc)
+            return Spool.in_memory(os.path.basename(hint))
+
+    def _to_memory(self, exc: BaseException) -> None:
+        """The folder of a spool of diffckpt's own filled up: what the segment holds so far moves to
+        memory, where it stays until it is written (at most ``write_batch`` records); its journal,
+        which names the file, goes, and the tier is off."""
+        log.warning("diffckpt: %s; the open segment's records are kept in memory until it is written "
+                    "(at most write_batch records)", exc)
+        memory = Spool.in_memory(os.path.basename(self.spool.path))
+        for chunk in self.spool.chunks():
+            memory.append([chunk])
+        self.spool.discard()
+        self.spool = memory
+        if self.journal is not None:
+            self.journal.discard()
+            self.journal = None
+        if self.journaling:
+            self._tier_lost(exc)
+
+    def _tier_lost(self, exc: BaseException) -> None:
+        self.place, self.journaling = None, False
+        if self.lost is not None:
+            self.lost(exc)
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -61,15 +115,24 @@ class OpenSegment:
         start = time.monotonic()
         parts = self.encoder.add(record)
         self.encode_s += time.monotonic() - start
-        self.spool.append(parts)
+        try:
+            self.spool.append(parts)
+        except StorageError as exc:  # a full disk
+            if not self.spool.temporary or self.spool.anonymous:  # the run root's own disk: no way on
+                raise
+            self._to_memory(exc)
+            self.spool.append(parts)
         self.steps.append((record["step"], record.get("state") is not None))
         self.ends.append(self.spool.size)
         self._journal(-1)
 
     def _journal(self, i: int) -> None:
-        if self.journal is not None:  # after the bytes: a journaled record is in the spool
+        if self.journal is not None and self.journaling:  # after the bytes: a journaled record is in the spool
             entry = self.encoder.entries[i]
-            self.journal.add(entry, self.ends[i] - entry["length"], self.steps[i][1])
+            try:
+                self.journal.add(entry, self.ends[i] - entry["length"], self.steps[i][1])
+            except StorageError as exc:  # what it journaled before still serves a resume after a crash
+                self._tier_lost(exc)
 
     def cut(self) -> int:
         """How many records a segment cut now takes: up to the newest restorable one."""
@@ -87,7 +150,7 @@ class OpenSegment:
         """The records from ``cut`` on as the next open segment (after step ``after``): their
         encoded bytes copied to its spool, cut from this one's."""
         rest = OpenSegment(self.storage, self.gen, after, self.compression, self.level,
-                           decided=self.encoder.compression, journal=self.place)
+                           decided=self.encoder.compression, journal=self.place, lost=self.lost)
         rest.spool.append([rest.encoder.start()])
         begin = self.ends[cut - 1] if cut else len(self.encoder.lead or b"")
         for offset in range(begin, self.spool.size, _COPY):

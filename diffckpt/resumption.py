@@ -79,9 +79,16 @@ class Resumption:
         """The node-local tier first, on every rank: what a crashed session journaled on this node
         becomes durable in the run root, so that the one restore path sees it (and, sharded, a step
         counts only once every rank has it)."""
-        merge_for_rank(recorder.storage, recorder.options.local_dir, self.coord.rank)
-        if self.coord.world_size > 1:
-            self.coord.collective.barrier()
+        error: DiffCkptError | None = None
+        try:
+            merge_for_rank(recorder.storage, recorder.options.local_dir, self.coord.rank)
+        except DiffCkptError as exc:  # every rank must hear of it, or the others wait forever
+            error = exc
+        if self.coord.world_size > 1 and self.coord.agree(error is not None) and error is None:
+            raise DiffCkptError("the node-local tier could not be taken back on another process (see its log); "
+                                "no process was restored")
+        if error is not None:
+            raise error
 
     def newest_step(self, recorder: Recorder) -> int | None:
         """See :meth:`diffckpt.CheckpointEngine.newest_step`."""

@@ -28,7 +28,8 @@ from .committer import Committer
 from .errors import DiffCkptError, StorageUnavailableError
 from .format import BaseName, base_commit
 from .handoff import HandOff
-from .journal import place_for, remove_folder
+from .journal import place_for, remove_folder, resolve_local_dir
+from .journalfile import sweep_dead_once
 from .leases import Lease
 from .openseg import OpenSegment
 from .options import CheckpointOptions
@@ -97,7 +98,10 @@ class BackgroundWriter:
         # The node-local tier: each open segment's records journaled beside its spool, and at most
         # one record handed over and not journaled, so a process crash loses at most that step.
         self.journal = place_for(options.local_dir, store.storage.url)
+        if options.local_dir is not None:  # what dead processes left on this node, once a process
+            sweep_dead_once(resolve_local_dir(options.local_dir))
         self.journaled_step: int | None = None  # the newest step in the local tier
+        self.journaled_restorable: int | None = None  # ... and the newest a resume there takes back
         self.outage = Outage(store.storage.url, options, self.stats)
         self._error: BaseException | None = None
         self._handoff = HandOff(options, self.outage, self.stats, lambda: self._error is not None,
@@ -188,6 +192,7 @@ class BackgroundWriter:
         With ``timeout``, give up flushing after that many seconds (preemption leaves little
         time): what is not committed by then is lost, and an error is logged that says which
         steps are durable and which are not. Without it, wait as ``on_storage_error`` says.
+        Whatever ends the flush (an error, an interrupt), :meth:`_settle_local` runs before it returns.
         """
         if self._handoff.closed:
             return self.durable_step
@@ -200,7 +205,7 @@ class BackgroundWriter:
             reason = str(exc) if isinstance(exc, StorageUnavailableError) else f"not done within {timeout}s"
             if timeout is None:  # on_storage_error="raise" during an outage
                 raise
-        except BaseException:  # e.g. KeyboardInterrupt while waiting: do not wait on the thread
+        except BaseException:  # a writer error, or e.g. KeyboardInterrupt while waiting: do not wait on the thread
             abandoned = True
             self._abandon.set()
             raise
@@ -215,20 +220,38 @@ class BackgroundWriter:
                 self._committer.thread.join(max(0.0, deadline - time.monotonic()))
             if abandoned and reason:
                 self._log_abandoned(reason)
-        if abandoned or self._error is not None:  # the local tier keeps what the run root did not get
+            self._settle_local(abandoned)
+        return self.durable_step
+
+    def _settle_local(self, abandoned: bool) -> None:
+        """After the writer stopped: the spools and journals of the segments the run root did not get
+        stay for the node-local tier, closed (their locks go: a resume, in this process too, takes
+        them); the rest goes."""
+        kept = abandoned or self._error is not None
+        if kept:
             self._committer.keep_waiting()
         if self._open is not None and not self._thread.is_alive():
-            if len(self._open) and not abandoned:
+            if len(self._open) and not kept:
                 log.info("diffckpt: %d trailing step(s) after the last restorable step were not kept",
                          len(self._open))
-            if abandoned or self._error is not None:
+            if kept:
                 self._open.keep()
             else:
                 self._open.discard()
             self._open = None
         if self.journal is not None and not self._committer.in_flight:
             remove_folder(self.journal.folder)
-        return self.durable_step
+
+    def _tier_lost(self, exc: BaseException) -> None:
+        """The node-local tier failed (its folder unwritable or full): train on without it."""
+        if self.journal is None:
+            return
+        self.journal = None  # records are no longer held back for the journal
+        log.warning("diffckpt: the node-local tier is off for the rest of this session: %s. Training goes on; a "
+                    "process crash now loses the steps not yet durable in %s (up to write_batch=%d records and "
+                    "the segments waiting for their upload) instead of at most one. Free space there, or set "
+                    "CheckpointOptions(local_dir=...) to a writable folder on a local disk (None: go without)",
+                    exc, self.store.storage.url, self.write_batch)
 
     def _log_abandoned(self, reason: str) -> None:
         durable, url = self.durable_step, self.store.storage.url
@@ -236,7 +259,7 @@ class BackgroundWriter:
         landing = " (an upload still in flight may yet make some of them durable)" if self._committer.in_flight else ""
         log.error("diffckpt: gave up the final flush (%s): durable up to step %s in %s; %s were not written "
                   "and are lost%s", reason, durable, url, lost, landing)
-        kept = self.journaled_step
+        kept = self.journaled_restorable  # a resume takes back records up to a restorable step only
         if self.journal is not None and kept is not None and kept > (durable or 0):
             log.warning("diffckpt: of those, steps %d..%d are kept in the local tier on this host (%s): a resume on this "
                         "node takes them back into %s", (durable or 0) + 1, kept, self.journal.folder, url)
@@ -319,9 +342,11 @@ class BackgroundWriter:
         try:
             if self._open is None:
                 self._open = OpenSegment(self.storage, self.gen, self._after, self.options.compression,
-                                         self.options.compression_level, journal=self.journal)
+                                         self.options.compression_level, journal=self.journal, lost=self._tier_lost)
             self._open.add(record)  # a full disk: a StorageError naming the spool's folder
             self.journaled_step = record["step"] if self.journal is not None else None
+            if self.journaled_step is not None and record.get("state") is not None:
+                self.journaled_restorable = self.journaled_step
         finally:
             self.stage.release(staged)
             self._handoff.journaled()

@@ -37,7 +37,7 @@ _COMMANDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "ls": ("list sessions, bases and segments", ("common", "json")),
     "verify": ("check every checksum and replay a step with its fingerprints", ("common", "replaying", "json")),
     "export": ("write a step as a checkpoint", ("common", "replaying", "json")),
-    "gc": ("delete what a retention policy no longer keeps (dry run unless --apply)", ("common", "json")),
+    "gc": ("delete what a retention policy no longer keeps (dry run unless --apply)", ("storage", "json")),
     "compact": ("roll a base forward from stored diffs (no training process needed)", ("common", "json")),
     # tune probes a location that need not hold a run yet: its own URL, storage and retry options.
     "tune": ("probe storage and recommend every_n_steps, write_batch, base_every_n_steps", ()),
@@ -46,13 +46,14 @@ _REPLAYING = ("verify", "export", "compact")  # the commands that replay steps: 
 
 
 def _groups() -> dict[str, argparse.ArgumentParser]:
-    common = argparse.ArgumentParser(add_help=False)
+    storage = argparse.ArgumentParser(add_help=False)  # gc takes its URL itself: gc --local needs none
+    storage.add_argument("-O", "--storage-option", action="append", default=[], metavar="KEY=VALUE",
+                         help="fsspec storage option (repeatable; VALUE may be JSON)")
+    storage.add_argument("--retry-budget", type=parse_duration, default=60.0, metavar="DURATION",
+                         help="how long transient storage failures are retried (e.g. 10s, 2m; default 60s)")
+    common = argparse.ArgumentParser(add_help=False, parents=[storage])
     common.add_argument("url", metavar="URL",
                         help="run root (local path or fsspec URL); <URL>/step=N names a step")
-    common.add_argument("-O", "--storage-option", action="append", default=[], metavar="KEY=VALUE",
-                        help="fsspec storage option (repeatable; VALUE may be JSON)")
-    common.add_argument("--retry-budget", type=parse_duration, default=60.0, metavar="DURATION",
-                        help="how long transient storage failures are retried (e.g. 10s, 2m; default 60s)")
     replaying = argparse.ArgumentParser(add_help=False)
     replaying.add_argument("--step", type=int, help="step to rebuild (default: newest durable)")
     replaying.add_argument("--allow-module", action="append", default=["torch."], metavar="MODULE",
@@ -62,7 +63,7 @@ def _groups() -> dict[str, argparse.ArgumentParser]:
                                 "for a bit-exact result")
     as_json = argparse.ArgumentParser(add_help=False)
     as_json.add_argument("--json", action="store_true", help="print JSON for scripts")
-    return {"common": common, "replaying": replaying, "json": as_json}
+    return {"common": common, "storage": storage, "replaying": replaying, "json": as_json}
 
 
 def _parser(command: str | None = None) -> argparse.ArgumentParser:

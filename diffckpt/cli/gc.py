@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import posixpath
+import sys
 from typing import Any
 
 from ..lifecycle.retention import GcPlan, RetentionPolicy, apply_gc, plan_gc, recorded_policy
@@ -19,7 +20,13 @@ __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The ``gc`` command's own arguments: a retention policy, the age of leftovers, ``--apply``."""
+    """The ``gc`` command's own arguments: the run (or ``--local``), a retention policy, the age of
+    leftovers, ``--apply``."""
+    p.add_argument("url", metavar="URL", nargs="?",
+                   help="run root (local path or fsspec URL); omit it with --local")
+    p.add_argument("--local", action="store_true",
+                   help="instead of one run: this host's node-local tier, every run at once (journals and "
+                        "spools no resume can use, and what dead processes left)")
     p.add_argument("--keep-last-bases", type=parse_positive, metavar="N",
                    help="keep the N newest bases and every step from the oldest of them on")
     p.add_argument("--keep-every-n-steps", type=parse_positive, metavar="K",
@@ -95,6 +102,13 @@ def _spare(plan: GcPlan, spools: set[str]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Plan what the policy no longer keeps; delete it with ``--apply``."""
+    if args.local or args.url is None:
+        if args.url is not None or not args.local:
+            print("error: give a run's URL, or --local for this host's node-local tier", file=sys.stderr)
+            return 2
+        from .gclocal import run as run_local  # what only the host-wide sweep needs
+
+        return run_local(args)
     store, _, _ = open_run(args)
     policy, source = _policy(args, store)
     plan = plan_gc(store, policy)

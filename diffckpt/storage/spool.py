@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
+import inspect
 import itertools
 import os
 import re
@@ -27,15 +28,23 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from ..errors import StorageError
+from .nodelocal import lock, locked, open_private, private_folder, user_folder
 
 if TYPE_CHECKING:  # protocol.py imports this module (Data includes Spool): no import back at run time
     from .protocol import Buffer
 
-__all__ = ["SPOOL_FOLDER", "Spool", "open_spool", "process_alive", "ranged", "read_range", "remove_dead_spools", "temporary_spool"]
+__all__ = ["SPOOL_FOLDER", "Spool", "open_spool", "ranged", "read_range", "remove_dead_spools", "spool_folder",
+           "temporary_spool"]
 
-SPOOL_FOLDER = "diffckpt-spool"
-"""The folder, in the system temporary folder, of the spools of storages that have no place of
-their own for them (object stores, a caller's storage without ``spool``)."""
+SPOOL_FOLDER = "spool"
+"""The folder, in this user's folder of the system temporary folder (``diffckpt-<uid>``,
+:mod:`~diffckpt.storage.nodelocal`), of the spools of storages that have no place of their own for
+them (object stores, a caller's storage without ``spool``)."""
+
+
+def spool_folder() -> str:
+    """Where :func:`temporary_spool` puts spools: ``<TMPDIR>/diffckpt-<uid>/spool``."""
+    return os.path.join(user_folder(tempfile.gettempdir()), SPOOL_FOLDER)
 
 
 def _iov_max() -> int:
@@ -60,19 +69,43 @@ class Spool:
     Attributes:
         path: the local file.
         size: bytes appended so far.
-        temporary: whether the file is in the system temporary folder (:func:`temporary_spool`):
-            it is then readable by its owner only, and a local storage copies it instead of
-            renaming it, so that the object gets the permissions of any other object.
+        temporary: whether the file is in a folder of diffckpt's own (:func:`temporary_spool`,
+            or in memory): it is then readable by its owner only, and a local storage copies it
+            instead of renaming it, so that the object gets the permissions of any other object.
+        anonymous: whether it is a file in memory with no name (:meth:`in_memory`).
     """
 
-    def __init__(self, path: str, *, temporary: bool = False) -> None:
+    def __init__(self, path: str, *, temporary: bool = False, _fd: int | None = None) -> None:
         self.path = path
         self.size = 0
         self.temporary = temporary
-        # Exclusive create: two writers never share a spool. Every user of the machine shares the
-        # temporary folder, hence owner-only files there.
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600 if temporary else 0o666)
+        self.anonymous = _fd is not None
+        if _fd is None:
+            # Exclusive create, no link followed: two writers never share a spool, and nothing
+            # planted at the name is written through. Temporary spools are owner-only.
+            fd = open_private(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600 if temporary else 0o666)
+            # Held while the spool is open: a sweep tells a spool still written from a dead one's.
+            lock(fd)
+        else:
+            fd = _fd
         self._file = open(fd, "r+b", buffering=0)  # open as long as the spool is
+
+    @classmethod
+    def in_memory(cls, name: str) -> Spool:
+        """A spool in memory (``memfd_create``): where no folder can take one, a segment's bytes
+        stay in RAM (at most ``write_batch`` records) rather than stopping training.
+
+        Raises:
+            StorageError: this platform has no anonymous files.
+        """
+        make = getattr(os, "memfd_create", None)
+        if make is None:
+            raise StorageError("no folder could take a spool and this platform has no files in memory")
+        try:
+            fd = make(f"diffckpt-{name}"[:200], getattr(os, "MFD_CLOEXEC", 0))
+        except OSError as exc:
+            raise StorageError(f"no folder could take a spool, nor memory: {exc}") from exc
+        return cls(f"<memory:{name}>", temporary=True, _fd=fd)
 
     def append(self, parts: Sequence[Buffer]) -> int:
         """Write ``parts`` in order after what was appended before; return the offset where they
@@ -133,8 +166,9 @@ class Spool:
     def discard(self) -> None:
         """Close the file and remove it; again, or after a commit renamed it, it does nothing."""
         self._file.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        if not self.anonymous:  # a file in memory goes with its close
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
 
     def __enter__(self) -> Spool:
         return self
@@ -177,61 +211,44 @@ def _failed(action: str, spool: Spool | str, exc: OSError) -> StorageError:
 
 
 def temporary_spool(hint: str, folder: str | None = None) -> Spool:
-    """A spool in the ``diffckpt-spool`` folder of the system temporary folder, for an object that
-    will be written at a path like ``hint``.
+    """A spool in this user's spool folder of the system temporary folder (:func:`spool_folder`),
+    for an object that will be written at a path like ``hint``.
 
-    Its name starts with this process's id. Before it is created, the spools there of processes
-    that no longer run on this host are removed, so that what a ``kill -9`` leaves behind does
-    not add up. ``folder``: a journal's folder instead (``journal.py``), whose spools outlive
-    their process until a resume merges them or garbage collection removes them.
+    Before it is created, the spools there that no process holds any more are removed, so that
+    what a ``kill -9`` leaves behind does not add up. ``folder``: a journal's folder instead
+    (``journal.py``, already this user's and private), whose spools outlive their process until a
+    resume merges them or garbage collection removes them.
     """
     shared = folder is None
-    folder = os.path.join(tempfile.gettempdir(), SPOOL_FOLDER) if folder is None else folder
+    folder = spool_folder() if folder is None else folder
     name = re.sub(r"[^A-Za-z0-9._-]", "_", os.path.basename(hint.rstrip("/")))[-120:]
     path = os.path.join(folder, f"{os.getpid()}-{uuid.uuid4().hex[:8]}-{name}.tmp")
     try:
         if shared:
-            _make_folder(folder)
+            private_folder(os.path.dirname(folder))
+            private_folder(folder)
             remove_dead_spools(folder)
         else:
-            os.makedirs(folder, mode=0o700, exist_ok=True)
+            private_folder(folder)
         return Spool(path, temporary=True)
+    except StorageError as exc:
+        raise StorageError(f"cannot create the spool file {path}: {exc}") from exc
     except OSError as exc:
         raise _failed("create", path, exc) from exc
 
 
-def _make_folder(folder: str) -> None:
-    # Every user of the machine shares the temporary folder: the spool folder is open to all like
-    # it, sticky so that no one removes another's files (the files themselves are owner-only).
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(folder, 0o700)
-        os.chmod(folder, 0o1777)
-
-
 def remove_dead_spools(folder: str) -> None:
-    """Remove the spools in ``folder`` whose process (the id their name starts with) has ended."""
+    """Remove the spools in ``folder`` that no process holds open (their writer ended: a spool
+    is locked for as long as it is open)."""
     try:
         names = os.listdir(folder)
     except FileNotFoundError:
         return
     for name in names:
-        pid = name.split("-", 1)[0]
-        if name.endswith(".tmp") and pid.isdigit() and not process_alive(int(pid)):
-            with contextlib.suppress(OSError):  # gone already, or another user's
-                os.unlink(os.path.join(folder, name))
-
-
-def process_alive(pid: int) -> bool:
-    """Whether process ``pid`` runs on this host (this process counts as running)."""
-    if pid == os.getpid() or os.name != "posix":  # on Windows, os.kill(pid, 0) ends the process
-        return True
-    try:
-        os.kill(pid, 0)  # signal 0: only checks that the process exists
-    except ProcessLookupError:
-        return False
-    except OSError:  # PermissionError: it exists, as another user's process
-        return True
-    return True
+        path = os.path.join(folder, name)
+        if name.endswith(".tmp") and locked(path) is False:
+            with contextlib.suppress(OSError):  # gone already
+                os.unlink(path)
 
 
 def open_spool(storage: Any, hint: str, folder: str | None = None) -> Spool:
@@ -239,11 +256,20 @@ def open_spool(storage: Any, hint: str, folder: str | None = None) -> Spool:
     ``"diffs/000000000012-open.g000001.seg"``): ``storage.spool(hint)`` where the storage has
     that method, otherwise a spool in the system temporary folder (:func:`temporary_spool`).
     ``folder``: where a spool that is not beside its object goes instead of the temporary folder
-    (a journal's folder)."""
+    (a journal's folder). A storage's ``spool`` is called as documented, ``spool(hint)``; only one
+    that takes a ``folder`` too (diffckpt's own) is told it."""
     make = getattr(storage, "spool", None)
     if not callable(make):
         return temporary_spool(hint, folder)
-    return make(hint) if folder is None else make(hint, folder=folder)
+    return make(hint, folder=folder) if folder is not None and _takes_folder(make) else make(hint)
+
+
+def _takes_folder(method: Any) -> bool:
+    try:
+        params = inspect.signature(method).parameters
+    except (TypeError, ValueError):  # a builtin or C method: call it as documented
+        return False
+    return "folder" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def read_range(storage: Any, path: str, start: int, end: int) -> bytes:

@@ -12,7 +12,8 @@ from test_cli import cli
 from test_streaming import killed_during_an_open_segment, wide
 
 from diffckpt import CheckpointEngine, CheckpointOptions
-from diffckpt.journal import journals, place_for
+from diffckpt.journal import place_for
+from diffckpt.journalfile import journals
 from diffckpt.localtier import read_local_tier
 from diffckpt.runstore import RunStore
 from diffckpt.storage import FsspecStorage

@@ -197,7 +197,8 @@ def killed_during_an_open_segment(root: Path, local: str | None) -> None:
 
 
 def _journaled(root: Path, local: str) -> int:
-    from diffckpt.journal import journals, place_for
+    from diffckpt.journal import place_for
+    from diffckpt.journalfile import journals
 
     place = place_for(local, FsspecStorage(str(root)).url)
     assert place is not None

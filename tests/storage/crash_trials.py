@@ -34,7 +34,8 @@ import torch
 from helpers import subprocess_env
 
 from diffckpt import cli
-from diffckpt.journal import JOURNAL_FOLDER, read_journal
+from diffckpt.journalfile import read_journal
+from diffckpt.storage.nodelocal import user_folder
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "crash_script.py")
 STEPS = 40
@@ -114,7 +115,7 @@ def _phase(lines: list[str], kill: tuple[Any, ...]) -> str:
 def journals_left(local_dir: str) -> list[str]:
     """The readable journals under ``local_dir`` (a resume that ended leaves none)."""
     found = []
-    for folder, _, names in os.walk(os.path.join(local_dir, JOURNAL_FOLDER)):
+    for folder, _, names in os.walk(user_folder(local_dir)):
         found += [os.path.join(folder, n) for n in names if n.endswith(".journal")]
     return [p for p in found if read_journal(p) is not None]
 

@@ -101,7 +101,7 @@ def frames(data: bytes) -> list[tuple[int, int, dict[str, Any]]]:
 
 
 def journal_files(local: Path) -> list[Path]:
-    return sorted(local.glob("diffckpt-journal/*/*.journal"))
+    return sorted(local.glob(f"diffckpt-{os.geteuid()}/*/*.journal"))
 
 
 def journaled_steps(local: Path) -> list[int]:
@@ -294,7 +294,7 @@ def test_a_journal_still_being_written_is_another_jobs(tmp_path: Path, truth: Tr
         before = journal.read_bytes()
         with caplog.at_level(logging.WARNING, logger="diffckpt"):
             assert restore(root, local, truth) == DURABLE
-        assert f"still being written (process {proc.pid})" in caplog.text
+        assert f"is in use (written by process {proc.pid}" in caplog.text
         assert journal.read_bytes() == before and segments(root) == [(0, DURABLE, 1)]
     finally:
         kill(proc)

@@ -11,7 +11,6 @@ import random
 import re
 import stat
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -48,6 +47,7 @@ from diffckpt.storage.spool import SPOOL_FOLDER, temporary_spool
 
 MiB = 2**20
 HINT = "diffs/000000000012-open.g000001.seg"
+USER = f"diffckpt-{os.geteuid()}"  # this user's folder in the temporary folder
 FINAL = "diffs/000000000012-000000000020.g000001.seg"
 QUICK = RetryPolicy(budget_s=20, initial_backoff_s=0.01, max_backoff_s=0.05)
 
@@ -244,7 +244,7 @@ def test_a_temporary_spool_is_copied_to_a_local_root_with_the_usual_permissions(
     assert stat.S_IMODE(os.stat(tmp_path / "run" / FINAL).st_mode) == 0o666 & ~umask
     assert os.path.exists(spool.path) and storage.read(FINAL) == b"bytes"
     spool.discard()
-    assert os.listdir(private_tmpdir / SPOOL_FOLDER) == []
+    assert os.listdir(private_tmpdir / USER / SPOOL_FOLDER) == []
 
 
 def test_wrappers_spool_beside_the_target_of_their_folder(tmp_path: Path) -> None:
@@ -297,7 +297,7 @@ def test_memory_root_commits_small_and_streamed_spools(memory_url: str, private_
     storage = FsspecStorage(memory_url, part_size=1 * MiB, multipart_threshold=2 * MiB)
     small, big = payload(MiB, 1), payload(5 * MiB + 7, 2)
     spool = _commit(storage, "diffs/small.seg", small)
-    assert spool.temporary and spool.path.startswith(str(private_tmpdir / SPOOL_FOLDER))
+    assert spool.temporary and spool.path.startswith(str(private_tmpdir / USER / SPOOL_FOLDER))
     assert os.path.exists(spool.path)  # an upload leaves the spool to the caller
     spool.discard()
     spool = open_spool(storage, HINT)
@@ -307,7 +307,7 @@ def test_memory_root_commits_small_and_streamed_spools(memory_url: str, private_
     spool.discard()
     assert watched.largest == MiB  # streamed a part at a time, never read whole
     assert storage.read("diffs/small.seg") == small and storage.read(FINAL) == big
-    assert os.listdir(private_tmpdir / SPOOL_FOLDER) == []
+    assert os.listdir(private_tmpdir / USER / SPOOL_FOLDER) == []
 
 
 def test_memory_root_writes_no_object_when_the_spool_cannot_be_read(memory_url: str) -> None:
@@ -419,7 +419,7 @@ def test_a_storage_without_spools_writes_a_temporary_one(private_tmpdir: Path) -
     plain = Plain()
     for storage in (plain, open_storage(plain), Prefixed(plain, "r/")):
         spool = open_spool(storage, HINT)
-        assert spool.temporary and os.path.dirname(spool.path) == str(private_tmpdir / SPOOL_FOLDER)
+        assert spool.temporary and os.path.dirname(spool.path) == str(private_tmpdir / USER / SPOOL_FOLDER)
         spool.append([b"ab", b"cd"])
         storage.write(FINAL, spool)  # joined by the caller's storage, through the wrappers
         spool.discard()
@@ -427,37 +427,46 @@ def test_a_storage_without_spools_writes_a_temporary_one(private_tmpdir: Path) -
 
 
 # ------------------------------------------------------------------------------- the temporary folder
-def test_opening_a_temporary_spool_removes_those_of_ended_processes(
+def test_opening_a_temporary_spool_removes_those_no_process_holds(
         private_tmpdir: Path, python_env: dict[str, str], python_exe: str) -> None:
-    script = ("from diffckpt.storage.spool import temporary_spool\n"
-              "spool = temporary_spool('diffs/a.seg')\nspool.append([b'x' * 100])\nprint(spool.path)\n")
+    """A spool is locked while open: the one of an ended process goes, even when its name's pid
+    now names a running process (a reused pid); a running process's stays."""
+    script = ("import sys, time\nfrom diffckpt.storage.spool import temporary_spool\n"
+              "spool = temporary_spool('diffs/a.seg')\nspool.append([b'x' * 100])\nprint(spool.path, flush=True)\n"
+              "if sys.argv[1:] == ['hold']:\n    time.sleep(120)\n")
     env = {**python_env, "TMPDIR": str(private_tmpdir)}
     dead = subprocess.run([python_exe, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     left = dead.stdout.strip()
-    assert dead.returncode == 0 and os.path.dirname(left) == str(private_tmpdir / SPOOL_FOLDER), dead.stderr
+    folder = private_tmpdir / USER / SPOOL_FOLDER
+    assert dead.returncode == 0 and os.path.dirname(left) == str(folder), dead.stderr
     assert re.fullmatch(r"\d+-[0-9a-f]{8}-a\.seg\.tmp", os.path.basename(left))
-    folder = private_tmpdir / SPOOL_FOLDER
-    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    reused = folder / f"{os.getpid()}-0badcafe-b.seg.tmp"  # a dead spool whose pid names a live process
+    os.rename(left, reused)
+    reused_too = folder / f"{os.getppid()}-0badcafe-c.seg.tmp"
+    reused_too.write_bytes(b"y")
+    live = subprocess.Popen([python_exe, "-c", script, "hold"], env=env, stdout=subprocess.PIPE, text=True)
     try:
-        of_live = folder / f"{live.pid}-0badcafe-b.seg.tmp"
-        of_live.write_bytes(b"y")
+        assert live.stdout is not None
+        of_live = live.stdout.readline().strip()
+        assert not reused.exists() and not reused_too.exists()  # swept by the live process's first spool
         unrelated = folder / "notes.txt"
         unrelated.write_bytes(b"z")
         mine = temporary_spool("diffs/we ird:name.seg")
         assert os.path.basename(mine.path).endswith("-we_ird_name.seg.tmp")
-        assert not os.path.exists(left)  # its process has ended
-        assert of_live.exists() and unrelated.exists()
+        assert os.path.exists(of_live) and unrelated.exists()
         again = temporary_spool("diffs/c.seg")  # this process's own spools are kept
         assert os.path.exists(mine.path)
     finally:
         live.kill()
         live.wait()
-    assert stat.S_IMODE(os.stat(folder).st_mode) == 0o1777  # shared like /tmp, sticky
+    assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700  # this user's only
+    assert stat.S_IMODE(os.stat(folder.parent).st_mode) == 0o700
     mine.discard()
     again.discard()
 
 
 def test_a_temporary_spool_that_cannot_be_created_says_where(private_tmpdir: Path) -> None:
-    (private_tmpdir / SPOOL_FOLDER).write_bytes(b"a file where the folder should be")
-    with pytest.raises(StorageError, match=f"spool file {re.escape(str(private_tmpdir / SPOOL_FOLDER))}"):
+    (private_tmpdir / USER).mkdir(mode=0o700)
+    (private_tmpdir / USER / SPOOL_FOLDER).write_bytes(b"a file where the folder should be")
+    with pytest.raises(StorageError, match=f"spool file {re.escape(str(private_tmpdir / USER / SPOOL_FOLDER))}"):
         spool_module.temporary_spool(HINT)
