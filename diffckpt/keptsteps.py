@@ -126,6 +126,11 @@ class KeptSteps:
         data = encode_kept(gen, step, why)
         self.after_written(lambda: self.storage.write(kept_path(why), data))
 
+    def saved(self) -> list[KeptStep]:
+        """The markers in the run root now, every session's (damaged ones left out)."""
+        paths = [p for p in self.storage.list(KEPT_DIR + "/") if is_kept_path(p)]
+        return read_kept(self.storage, paths)[0]
+
     def release(self, why: str) -> None:
         """Stop keeping the step of the save named ``why``: the framework removed the save."""
         self._held.pop(why, None)
