@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -58,7 +57,7 @@ def is_kept_path(path: str) -> bool:
 
 def encode_kept(gen: int, step: int, why: str) -> bytes:
     """A marker's bytes (JSON, sorted keys)."""
-    body = {"format": FORMAT_VERSION, "gen": gen, "step": step, "why": why, "time": time.time()}
+    body = {"format": FORMAT_VERSION, "gen": gen, "step": step, "why": why}
     return json.dumps(body, indent=1, sort_keys=True).encode()
 
 

@@ -103,11 +103,6 @@ class FrameworkSaves:
                 log.warning("diffckpt: %s was not written: step %d %s", name, saved,
                             "never became durable" if started else "was never recorded (save while training)")
 
-    def after_queued(self, fn: Callable[[], Any]) -> None:
-        """``fn()`` once everything recorded before is written (on the writer thread, in order),
-        or at once when no session is open."""
-        self.recorder.after_written(fn)
-
     def _after_durable_data(self, step: int, fn: Callable[[], Any], name: str) -> None:
         rec = self.recorder
         if not rec.started:
@@ -116,12 +111,12 @@ class FrameworkSaves:
                 raise DiffCkptError(f"cannot save {name}: step {step} is not durable in {rec.storage.url} "
                                     f"(durable up to {durable}); save while checkpointing runs")
         rec.keep(step, saved_as(name))  # retention must not delete what the save names (its marker first)
-        self.after_queued(fn)
+        rec.after_written(fn)
 
     def removed(self, fn: Callable[[], Any], name: str) -> None:
         """``fn()`` removes the save ``name`` once everything queued before is written; then its
         step is no longer kept for it (the marker goes after the save: never a save without its step)."""
-        self.after_queued(fn)
+        self.recorder.after_written(fn)
         self.recorder.release(saved_as(name))
 
     def every_n(self) -> str:
