@@ -102,18 +102,22 @@ class KeptSteps:
     the run root (``storage``), for every later session and ``diffckpt gc``.
 
     ``after_written(fn)`` runs ``fn`` once everything queued before is durable (the writer
-    thread, in order), or at once when no session writes.
+    thread, in order), or at once when no session writes; ``durable()`` is the session's durable
+    step then.
     """
 
-    def __init__(self, storage: Storage, after_written: Callable[[Callable[[], None]], None]) -> None:
+    def __init__(self, storage: Storage, after_written: Callable[[Callable[[], None]], None],
+                 durable: Callable[[], int | None]) -> None:
         self.storage = storage
         self.after_written = after_written
+        self.durable = durable
         self.gen: int | None = None  # the session that keeps (the newest this process started)
         self._held: dict[str, tuple[int, int]] = {}  # why -> (gen, step)
 
     def held(self) -> list[tuple[int, int, str]]:
         """``(gen, step, why)`` of every step this process keeps."""
-        return [(gen, step, why) for why, (gen, step) in self._held.items()]
+        held = self._held.copy()  # one call, atomic under the GIL: the maintenance thread asks
+        return [(gen, step, why) for why, (gen, step) in held.items()]
 
     def keep(self, step: int, why: str) -> None:
         """Keep ``step`` of the session for the save named ``why`` (a durable step, or one whose
@@ -123,7 +127,16 @@ class KeptSteps:
             return  # nothing recorded in this process: no step of it to keep
         self._held[why] = (gen, step)
         data = encode_kept(gen, step, why)
-        self.after_written(lambda: self.storage.write(kept_path(why), data))
+
+        def mark() -> None:
+            durable = self.durable()
+            if durable is None or step > durable:  # a marker never names a step that is not there
+                log.warning("diffckpt: step %d is kept by this process only (%s): it was not durable when "
+                            "kept; keep a step once it is recorded", step, why)
+                return
+            self.storage.write(kept_path(why), data)
+
+        self.after_written(mark)
 
     def saved(self) -> list[KeptStep]:
         """The markers in the run root now, every session's (damaged ones left out)."""

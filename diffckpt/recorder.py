@@ -79,7 +79,7 @@ class Recorder:
         self._base_nbytes = 0  # bytes of the newest base handed to the writer
         self._projected = False  # the session's storage projection is logged (first record)
         self._streams = 1  # rank streams under the run root, each writing about as much as this one
-        self.kept = KeptSteps(self.storage, self.after_written)  # steps framework saves name
+        self.kept = KeptSteps(self.storage, self.after_written, lambda: self.durable_step)  # framework saves' steps
         self.tuning = OnlineTuning(self.options)
         self.maintenance: Maintenance | None = None
 

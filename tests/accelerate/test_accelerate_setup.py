@@ -210,7 +210,7 @@ def test_save_state_folders_keep_their_steps_until_total_limit_removes_them(acce
     acc = accelerator_factory(project_config=config)
     model, opt, dl = _prepare(acc)
     run = tmp_path / "diffckpt"
-    kept = KeptSteps(open_storage(str(run)), lambda fn: fn())
+    kept = KeptSteps(open_storage(str(run)), lambda fn: fn(), lambda: None)
     with DiffCheckpointer(acc, run, write_batch=1, options=CheckpointOptions(retention=None)) as ckpt:
         _train(acc, model, opt, ckpt.dataloader(dl), 2)
         acc.save_state()  # checkpoint_0: step 2

@@ -72,7 +72,7 @@ def test_cli_golden_kept_steps(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
     root = tmp_path / "run"
     fixed_run(root)
-    kept = KeptSteps(open_storage(str(root)), lambda fn: fn())
+    kept = KeptSteps(open_storage(str(root)), lambda fn: fn(), lambda: 13)
     kept.gen = 1
     kept.keep(3, "saved as best.ckpt")
     for name, argv in [("gc-kept", ["gc", root, "--keep-last-bases", "1"]), ("ls-kept", ["ls", root])]:

@@ -236,7 +236,7 @@ def test_gc_keeps_a_kept_step_in_every_rank_stream(run: Path, capsys: Cap) -> No
     """A step that a save names is kept at the root (``kept/``) and kept in every rank's stream."""
     from diffckpt.keptsteps import KeptSteps
 
-    kept = KeptSteps(open_storage(str(run)), lambda fn: fn())
+    kept = KeptSteps(open_storage(str(run)), lambda fn: fn(), lambda: 6)
     kept.gen = 1
     kept.keep(2, "saved as epoch=0-step=2.ckpt")
     rc, out, _ = cli(capsys, "gc", run, "--keep-last-bases", "1", "--apply")
