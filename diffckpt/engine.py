@@ -39,7 +39,7 @@ from .options import CheckpointOptions
 from .recorder import Recorder
 from .replay import ReplayResult
 from .resumption import Resumption
-from .session import Clock, Committed, FrameworkSaves, FrameworkState
+from .session import Clock, Committed, FrameworkSaves, FrameworkState, after_queued
 from .sessionfile import open_sharded_session
 from .sharding import check_sharded, is_sharded, refuse_flat_parameters
 from .storage import Storage
@@ -156,9 +156,8 @@ class CheckpointEngine:
         return result
 
     def newest_step(self) -> int | None:
-        """The step :meth:`resume` restores when given none, as a listing shows it: the newest
-        durable step (on every rank, for a sharded run), or ``None`` when nothing is durable
-        (every rank calls; rank 0 lists and the others get its answer).
+        """The step :meth:`resume` restores when given none, as a listing shows it: the newest durable
+        step (on every rank, sharded), or ``None`` (every rank calls; rank 0 lists, the others ask it).
 
         Damage inside an object is found only when it is read, by :meth:`resume`. What this
         node's local tier holds of a crashed session is committed to the run root first, as by
@@ -378,9 +377,10 @@ class CheckpointEngine:
         if self.is_main_process:
             self.recorder.release(why)
 
+    after_queued = after_queued  # deprecated: when_removed (a removal), when_restorable (a save)
+
     def when_removed(self, fn: Callable[[], Any], *, name: str) -> None:
-        """Run ``fn()``, removing the save ``name``, on the main process after what is queued; then
-        the step that save named is kept for it no more."""
+        """Run ``fn()``, removing the save ``name``, after what is queued (main process); its keep ends."""
         if self.is_main_process:
             self._saves.removed(fn, name)
 

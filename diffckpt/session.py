@@ -9,11 +9,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from .deprecation import warn_renamed
 from .errors import DiffCkptError
 from .recorder import Recorder
 from .tuning.model import AUTO
 
-__all__ = ["Clock", "Committed", "FrameworkSaves", "FrameworkState", "saved_as"]
+__all__ = ["Clock", "Committed", "FrameworkSaves", "FrameworkState", "after_queued", "saved_as"]
 
 log = logging.getLogger("diffckpt")
 
@@ -58,6 +59,14 @@ class Clock:
 def saved_as(name: str) -> str:
     """Why a step is kept for the framework's save ``name`` (its kept marker's ``why``)."""
     return f"saved as {name}"
+
+
+def after_queued(engine: Any, fn: Callable[[], Any]) -> None:
+    """``CheckpointEngine.after_queued(fn)``, deprecated: a removal of a framework's save is
+    :meth:`~diffckpt.CheckpointEngine.when_removed` now, which also ends the keep of its step."""
+    warn_renamed("CheckpointEngine.after_queued(fn)", "CheckpointEngine.when_removed(fn, name=...)")
+    if engine.is_main_process:
+        engine.recorder.after_written(fn)
 
 
 class FrameworkSaves:
