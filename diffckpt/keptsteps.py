@@ -4,7 +4,7 @@ A save that names a step (a Lightning ``ModelCheckpoint`` reference, an Accelera
 folder, :meth:`diffckpt.CheckpointEngine.keep`) must not outlive the step's data, and the save
 outlives the process that made it: a later session's retention and ``diffckpt gc`` run where that
 process's memory is gone. So each kept step is also a small object under ``kept/`` that every
-retention pass reads (``docs/format.md`` section 15). One marker per save, named by a hash of the
+retention pass reads (``docs/format.md`` section 9a). One marker per save, named by a hash of the
 save's name (its ``why``): a save rewritten under its name at another step moves its marker, and
 the framework's removal of the save deletes it (:meth:`KeptSteps.release`), so that retention may
 reclaim the step.
@@ -50,9 +50,8 @@ def kept_path(why: str) -> str:
 
 def is_kept_path(path: str) -> bool:
     """Whether a listed path is a kept marker (temporary files of a write are not)."""
-    name = path[len(KEPT_DIR) + 1:]
-    return path.startswith(KEPT_DIR + "/") and name.endswith(".json") and "/" not in name \
-        and not name.startswith(".")
+    folder, _, name = path.partition("/")
+    return folder == KEPT_DIR and name.endswith(".json") and "/" not in name and not name.startswith(".")
 
 
 def encode_kept(gen: int, step: int, why: str) -> bytes:
@@ -80,20 +79,21 @@ def decode_kept(data: bytes, path: str) -> KeptStep:
     return KeptStep(body["gen"], body["step"], body["why"], path)
 
 
-def read_kept(storage: Storage, paths: Iterable[str]) -> tuple[list[KeptStep], list[str]]:
-    """The markers at ``paths`` (from a listing), and a problem for each one that cannot be read.
+def read_kept(storage: Storage, paths: Iterable[str]) -> tuple[list[KeptStep], dict[str, str]]:
+    """The markers at ``paths`` (from a listing), and ``{path: problem}`` of those that cannot be
+    read.
 
     A marker deleted since the listing was released: it is left out. One that is damaged names a
     step nobody can tell, so the caller must keep everything rather than guess.
     """
-    kept, problems = [], []
+    kept, problems = [], {}
     for path in sorted(paths):
         try:
             kept.append(decode_kept(storage.read(path), path))
         except CheckpointNotFoundError:
             continue
         except DiffCkptError as exc:
-            problems.append(str(exc))
+            problems[path] = str(exc)
     return kept, problems
 
 
@@ -147,4 +147,3 @@ class KeptSteps:
         """Stop keeping the step of the save named ``why``: the framework removed the save."""
         self._held.pop(why, None)
         self.after_written(lambda: self.storage.delete(kept_path(why)))
-

@@ -144,7 +144,7 @@ def describe(store: RunStore, inv: Inventory, local_dir: str | None = None) -> d
         "segments": segments,
         "kept": [{"step": k.step, "gen": k.gen, "why": k.why, "path": k.path}
                  for k in sorted(marked, key=lambda k: (k.gen, k.step, k.why))],
-        "kept_damaged": damaged,
+        "kept_damaged": list(damaged.values()),
         "totals": {"bytes": total, "base_bytes": base_bytes, "diff_bytes": diff_bytes,
                    "other_bytes": total - base_bytes - diff_bytes, "diff_steps": diff_steps,
                    "avg_diff_bytes_per_step": avg},

@@ -188,8 +188,9 @@ def plan_gc(store: RunStore, policy: RetentionPolicy, now: float | None = None,
     marked, damaged = read_kept(store.storage, [p for p in details if is_kept_path(p)])
     everything = None
     if damaged:
-        everything = f"every step is kept: {'; '.join(damaged)} (repair or delete it)"
-        log.warning("diffckpt: retention keeps every step of %s: %s", store.storage.url, "; ".join(damaged))
+        problems = "; ".join(damaged.values())
+        everything = f"every step is kept: {problems} (repair or delete it)"
+        log.warning("diffckpt: retention keeps every step of %s: %s", store.storage.url, problems)
     also = [*also, *((k.gen, k.step, k.why) for k in marked)]
     return _plan(store, policy, now, also, details, everything)
 

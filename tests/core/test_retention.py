@@ -457,6 +457,9 @@ def test_a_damaged_kept_marker_keeps_every_step(run: tuple[Path, dict[int, Any]]
     why = f"every step is kept: {marker.relative_to(root)}: kept marker is damaged (not a JSON object) (repair or delete it)"
     assert plan.kept and all(why in k.reasons for k in plan.kept), plan.kept
     _restorable(root, truth, [2, 13])
+    from diffckpt.cli import main
+
+    assert main(["verify", str(root)]) != 0  # verify names it, as damage
     marker.write_bytes(b'{"format": 99, "gen": 1, "step": 2, "why": "x"}')  # a newer diffckpt's
     assert collect_garbage(root, RetentionPolicy(keep_last_bases=1)).objects == 0
     marker.unlink()  # deleted by hand: the policy applies again
