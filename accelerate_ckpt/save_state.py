@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,6 +28,11 @@ log = logging.getLogger("diffckpt")
 
 _REFERENCE = "diffckpt-reference"
 NOTE = "DIFFCKPT.txt"
+_WHY = re.compile(r"save_state\((.+)\)", re.DOTALL)  # why a save_state folder's step is kept
+
+
+def _why(output_dir: str) -> str:
+    return f"save_state({output_dir})"
 
 
 class SaveStateHooks:
@@ -68,7 +74,8 @@ class SaveStateHooks:
             return
         weights.pop(index)  # the base just made durable holds them
         self.referenced = owner.step
-        owner.engine.keep(owner.step, f"save_state({output_dir})")  # retention must not delete it
+        owner.engine.keep(owner.step, _why(output_dir))  # retention must not delete it, in later sessions too
+        self._release_removed(output_dir)
         with open(os.path.join(output_dir, NOTE), "w") as f:
             f.write(f"The model weights of this checkpoint are step {owner.step} of the diffckpt run "
                     f"{owner.url}.\nLoad it with accelerator.load_state() after creating a "
@@ -76,6 +83,19 @@ class SaveStateHooks:
                     f"  diffckpt export {owner.url} --step {owner.step} -o model.safetensors\n")
         log.info("diffckpt: save_state at step %d references %s instead of writing the weights",
                  owner.step, owner.url)
+
+    def _release_removed(self, output_dir: str) -> None:
+        """Accelerate's ``total_limit`` deleted the oldest ``save_state`` folders before this save:
+        their steps are kept no more. Only folders beside this one are judged (this process sees
+        that directory; a folder elsewhere may be on another machine's disk)."""
+        engine = self.owner.engine
+        if not engine.is_main_process:
+            return
+        here = os.path.dirname(os.path.abspath(output_dir))
+        for kept in engine.recorder.kept.saved():
+            m = _WHY.fullmatch(kept.why)
+            if m and os.path.dirname(os.path.abspath(m[1])) == here and not os.path.exists(m[1]):
+                engine.release(kept.why)
 
     def _on_load(self, models: list[Any], input_dir: str) -> None:
         ref = self._read_reference(input_dir)

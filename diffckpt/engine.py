@@ -14,12 +14,11 @@ An adapter (Lightning, Accelerate, a plain loop under ``torch.distributed``) cal
 The engine decides which processes write (rank 0 under DDP, every rank its own stream under
 sharded training); every exchange between ranks goes through its
 :class:`~diffckpt.coordination.Coordination` (RNG, data positions and codec states gathered,
-tuning decisions and the step to restore sent). What is framework-specific reaches it through a
-:class:`FrameworkState`, asked only when a step is restorable. It holds
-:attr:`~CheckpointEngine.recorder` (the writing session), a ``Coordination`` and a
-:class:`~diffckpt.resumption.Resumption`; the recorder's single-writer calls (``start``,
-``record_step``, ``write_base``, ``flush``, ``close``, ``restore``) stay on the engine for a
-single-process loop.
+tuning decisions and the step to restore sent); framework-specific state comes through a
+:class:`FrameworkState`, asked only when a step is restorable. It holds :attr:`~CheckpointEngine.recorder`
+(the writing session), a ``Coordination`` and a :class:`~diffckpt.resumption.Resumption`; the
+recorder's single-writer calls (``start``, ``record_step``, ``write_base``, ``flush``, ``close``,
+``restore``) stay on the engine for a single-process loop.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ from .options import CheckpointOptions
 from .recorder import Recorder
 from .replay import ReplayResult
 from .resumption import Resumption
-from .session import Clock, Committed, FrameworkSaves, FrameworkState
+from .session import Clock, Committed, FrameworkSaves, FrameworkState, after_queued
 from .sessionfile import open_sharded_session
 from .sharding import check_sharded, is_sharded, refuse_flat_parameters
 from .storage import Storage
@@ -157,9 +156,8 @@ class CheckpointEngine:
         return result
 
     def newest_step(self) -> int | None:
-        """The step :meth:`resume` restores when given none, as a listing shows it: the newest
-        durable step (on every rank, for a sharded run), or ``None`` when nothing is durable
-        (every rank calls; rank 0 lists and the others get its answer).
+        """The step :meth:`resume` restores when given none, as a listing shows it: the newest durable
+        step (on every rank, sharded), or ``None`` (every rank calls; rank 0 lists, the others ask it).
 
         Damage inside an object is found only when it is read, by :meth:`resume`. What this
         node's local tier holds of a crashed session is committed to the run root first, as by
@@ -369,21 +367,26 @@ class CheckpointEngine:
                             restorable=self.restorable_step)
 
     def keep(self, step: int, why: str) -> None:
-        """Keep ``step`` restorable whatever ``options.retention`` deletes, while this process runs
-        the session (a framework save that names the step outside :meth:`when_restorable`, which
-        keeps its steps already; ``why`` shows in the retention plan)."""
-        self.recorder.keep(step, why)
-
-    def after_queued(self, fn: Callable[[], Any]) -> None:
-        """Run ``fn()`` on the main process once everything recorded before is written (on the
-        writer thread, in order), or at once when no session is open; other ranks skip it."""
+        """Keep ``step`` restorable whatever the retention, in later sessions too, until :meth:`release`
+        (a save ``why`` outside :meth:`when_restorable`, which keeps its steps already). Main process."""
         if self.is_main_process:
-            self._saves.after_queued(fn)
+            self.recorder.keep(step, why)
+
+    def release(self, why: str) -> None:
+        """Stop keeping the step kept for ``why`` (its save was removed). Main process."""
+        if self.is_main_process:
+            self.recorder.release(why)
+
+    after_queued = after_queued  # deprecated: when_removed (a removal), when_restorable (a save)
+
+    def when_removed(self, fn: Callable[[], Any], *, name: str) -> None:
+        """Run ``fn()``, removing the save ``name``, after what is queued (main process); its keep ends."""
+        if self.is_main_process:
+            self._saves.removed(fn, name)
 
     # ------------------------------------------------------------------ internals
     def _writes(self) -> bool:
-        """Whether this process records: rank 0 of data-parallel training (every rank applied
-        what it recorded), every rank of sharded training (each holds other pieces)."""
+        """Whether this process records: DDP's rank 0 (all apply alike), every rank when sharded."""
         return self._sharded or self.is_main_process
 
     def _require_clock(self) -> Clock:
@@ -393,5 +396,5 @@ class CheckpointEngine:
 
     def _base_now(self, step: int, state: Any, codec_states: list[Any] | None) -> None:
         _, capture, module = self.recorder._require()
-        self.recorder.write_base(step, module.state_dict(), [o.state_dict() for o in capture.optimizers], state,
-                                 codec_states)
+        optimizer_states = [o.state_dict() for o in capture.optimizers]
+        self.recorder.write_base(step, module.state_dict(), optimizer_states, state, codec_states)

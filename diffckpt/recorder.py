@@ -22,6 +22,7 @@ import torch
 from .capture import StepCapture, clone_tree, group_hyperparams, tree_nbytes
 from .codecs.compressor import GradientCompressor
 from .errors import DiffCkptError
+from .keptsteps import KeptSteps
 from .leases import copy_tensors
 from .lifecycle.compaction import training_device
 from .lifecycle.footprint import session_projection
@@ -78,7 +79,7 @@ class Recorder:
         self._base_nbytes = 0  # bytes of the newest base handed to the writer
         self._projected = False  # the session's storage projection is logged (first record)
         self._streams = 1  # rank streams under the run root, each writing about as much as this one
-        self._kept: list[tuple[int, int, str]] = []  # (gen, step, why): steps framework saves name
+        self.kept = KeptSteps(self.storage, self.after_written, lambda: self.durable_step)  # framework saves' steps
         self.tuning = OnlineTuning(self.options)
         self.maintenance: Maintenance | None = None
 
@@ -120,7 +121,7 @@ class Recorder:
         if self.tuning.restore_timing is not None:
             load_s, replay_s = self.tuning.restore_timing
             body["restore_timing"] = {"base_load_s": load_s, "replay_step_s": replay_s}
-        gen = self.stream.start_session(body, gen)
+        gen = self.kept.gen = self.stream.start_session(body, gen)
         self.module = module
         self.writer = BackgroundWriter(self.stream, gen, self.options, after=step,
                                        write_batch=self.tuning.settings.write_batch, fence=self.storage)
@@ -128,34 +129,36 @@ class Recorder:
         self.tuning.start(step, self.writer, self._base_bytes_now)
         self._prev_step = self._last_base = step
         self._base_nbytes, self._projected = 0, False
-        self._streams = int((meta or {}).get("world_size", 1)) if self.stream is not self.store else 1
+        world, run = int((meta or {}).get("world_size", 1)), ShardedRun(self.storage)
+        self._streams = world if self.stream is not self.store else 1
         o, writer = self.options, self.writer
         retention = o.retention if self.collects_garbage else None
         if o.compact_every_n_steps is not None or retention is not None:
-            # Compaction rolls this process's stream forward; retention runs over the whole root.
-            # It replays where training runs unless told otherwise: on another device type the
-            # fingerprints recorded in training need not match, and nothing would be compacted.
+            # Compaction rolls this process's stream forward, replaying where training runs unless
+            # told otherwise (on another device type the fingerprints recorded in training need not
+            # match); retention runs over the whole root (sharded: last pass once every rank based).
             self.maintenance = Maintenance(
                 self.stream.storage, lambda: (writer.durable_step, self._last_base, writer.stats.bases),
                 compact_every_n_steps=o.compact_every_n_steps, retention=retention,
                 device=o.compact_device or training_device(module),
-                collect_from=self.storage, kept=lambda: list(self._kept),
-                settled=self._every_rank_based(gen, int((meta or {}).get("world_size", 1)))
+                collect_from=self.storage, kept=self.kept.held,
+                settled=(lambda: run.based(gen, world, self._last_base))
                 if retention is not None and self.stream is not self.store else None)
         return gen
 
     def keep(self, step: int, why: str) -> None:
-        """Keep ``step`` of the running session restorable whatever the retention policy, for as
-        long as this process runs it: a framework's save (a ``ModelCheckpoint`` reference, a
-        ``save_state`` folder) names that step, and must not outlive its data."""
-        if self.writer is not None:
-            self._kept.append((self.writer.gen, step, why))
+        """Keep ``step`` (recorded here) restorable whatever the retention, in later sessions too, until
+        :meth:`release`: a framework's save ``why`` names it (:mod:`diffckpt.keptsteps`)."""
+        self.kept.keep(step, why)
 
-    def _every_rank_based(self, gen: int, world: int) -> Callable[[], bool]:
-        """Whether every rank's stream of sharded session ``gen`` has committed the newest base this
-        process wrote."""
-        run = ShardedRun(self.storage)
-        return lambda: run.based(gen, world, self._last_base)
+    def release(self, why: str) -> None:
+        """Stop keeping the step kept for ``why``: the framework removed that save."""
+        self.kept.release(why)
+
+    def after_written(self, fn: Callable[[], Any]) -> None:
+        """``fn()`` once everything queued before is durable (on the writer thread, in order), or
+        at once when no session is open."""
+        self.writer.call(fn) if self.writer is not None else fn()
 
     def _context(self, step: int) -> StepContext:
         # A single-process loop never reviews (only CheckpointEngine.commit does): a byte-sized

@@ -9,11 +9,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from .deprecation import warn_renamed
 from .errors import DiffCkptError
 from .recorder import Recorder
 from .tuning.model import AUTO
 
-__all__ = ["Clock", "Committed", "FrameworkSaves", "FrameworkState"]
+__all__ = ["Clock", "Committed", "FrameworkSaves", "FrameworkState", "after_queued", "saved_as"]
 
 log = logging.getLogger("diffckpt")
 
@@ -55,6 +56,19 @@ class Clock:
             self.base = step
 
 
+def saved_as(name: str) -> str:
+    """Why a step is kept for the framework's save ``name`` (its kept marker's ``why``)."""
+    return f"saved as {name}"
+
+
+def after_queued(engine: Any, fn: Callable[[], Any]) -> None:
+    """``CheckpointEngine.after_queued(fn)``, deprecated: a removal of a framework's save is
+    :meth:`~diffckpt.CheckpointEngine.when_removed` now, which also ends the keep of its step."""
+    warn_renamed("CheckpointEngine.after_queued(fn)", "CheckpointEngine.when_removed(fn, name=...)")
+    if engine.is_main_process:
+        engine.recorder.after_written(fn)
+
+
 class FrameworkSaves:
     """A framework's saves of steps (a reference file, an ``output_dir`` marker...) run on the
     main process after the step's own data, in order, and only for steps training can resume
@@ -93,18 +107,10 @@ class FrameworkSaves:
         waiting, self.waiting = self.waiting, []
         for saved, fn, name in waiting:
             if started and durable is not None and saved <= durable:
-                fn()
+                self._after_durable_data(saved, fn, name)
             else:
                 log.warning("diffckpt: %s was not written: step %d %s", name, saved,
                             "never became durable" if started else "was never recorded (save while training)")
-
-    def after_queued(self, fn: Callable[[], Any]) -> None:
-        """``fn()`` once everything recorded before is written (on the writer thread, in order),
-        or at once when no session is open."""
-        if self.recorder.writer is not None:
-            self.recorder.writer.call(fn)
-        else:
-            fn()
 
     def _after_durable_data(self, step: int, fn: Callable[[], Any], name: str) -> None:
         rec = self.recorder
@@ -113,8 +119,14 @@ class FrameworkSaves:
             if durable is None or step > durable:
                 raise DiffCkptError(f"cannot save {name}: step {step} is not durable in {rec.storage.url} "
                                     f"(durable up to {durable}); save while checkpointing runs")
-        rec.keep(step, f"saved as {name}")  # retention must not delete what the save names
-        self.after_queued(fn)
+        rec.keep(step, saved_as(name))  # retention must not delete what the save names (its marker first)
+        rec.after_written(fn)
+
+    def removed(self, fn: Callable[[], Any], name: str) -> None:
+        """``fn()`` removes the save ``name`` once everything queued before is written; then its
+        step is no longer kept for it (the marker goes after the save: never a save without its step)."""
+        self.recorder.after_written(fn)
+        self.recorder.release(saved_as(name))
 
     def every_n(self) -> str:
         """``every_n_steps`` as an error message names it."""

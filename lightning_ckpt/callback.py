@@ -302,8 +302,9 @@ class DiffCheckpoint(ModelCheckpoint):
                                     wait=waiting)
 
     def remove_reference(self, path: str, remove: Any) -> None:
-        """Remove a reference after everything queued before it (removals never overtake saves)."""
-        self.engine.after_queued(remove)
+        """Remove a reference after everything queued before it (removals never overtake saves);
+        its step is then kept for it no more, in this session and later ones."""
+        self.engine.when_removed(remove, name=path)
 
     def _require_trainer(self) -> pl.Trainer:
         if self._trainer is None:

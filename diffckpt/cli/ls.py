@@ -11,6 +11,7 @@ from typing import Any
 from ..errors import DiffCkptError
 from ..format import BaseName, decode_commit
 from ..inventory import Inventory
+from ..keptsteps import is_kept_path, read_kept
 from ..localtier import read_local_tier
 from ..policyoptions import BY_BYTES
 from ..runstore import RunStore
@@ -137,9 +138,13 @@ def describe(store: RunStore, inv: Inventory, local_dir: str | None = None) -> d
     newest_run = next(({"gen": g, "step": n, "ckpt_path": url} for g in inv.gens()
                        if (n := inv.newest_step(g)) is not None), None)
     avg = round(diff_bytes / diff_steps) if diff_steps else None
+    marked, damaged = read_kept(store.storage, [p for p in sizes if is_kept_path(p)])
     d = {
         "url": url, "newest": newest_run, "sessions": sessions, "bases": bases,
         "segments": segments,
+        "kept": [{"step": k.step, "gen": k.gen, "why": k.why, "path": k.path}
+                 for k in sorted(marked, key=lambda k: (k.gen, k.step, k.why))],
+        "kept_damaged": list(damaged.values()),
         "totals": {"bytes": total, "base_bytes": base_bytes, "diff_bytes": diff_bytes,
                    "other_bytes": total - base_bytes - diff_bytes, "diff_steps": diff_steps,
                    "avg_diff_bytes_per_step": avg},
@@ -200,6 +205,12 @@ def render(d: dict[str, Any]) -> str:
         ["after..last", "gen", "steps", "size", "path"],
         [[f"{s['after']}..{s['last']}", f"g{s['gen']}", str(s["steps"]), format_bytes(s["bytes"]), s["path"]]
          for s in d["segments"]]))]
+    if d["kept"] or d["kept_damaged"]:  # steps that saves name: retention keeps them, in every session
+        lines += ["", "kept for saves (until the save is removed)"]
+        lines += table(["step", "gen", "why", "marker"],
+                       [[str(k["step"]), f"g{k['gen']}", k["why"], k["path"]] for k in d["kept"]])
+        lines += [f"  {problem}: retention keeps every step until it is repaired or deleted"
+                  for problem in d["kept_damaged"]]
     lines += ["", "totals"] + [f"  {label:<10}  {format_bytes(t[key])} ({t[key]} B)" for label, key in
                                (("on storage", "bytes"), ("bases", "base_bytes"))]
     diffs = f"{format_bytes(t['diff_bytes'])} ({t['diff_bytes']} B)"

@@ -17,6 +17,7 @@ from .. import planning
 from ..errors import CheckpointNotFoundError, DiffCkptError, UnsupportedConfigurationError
 from ..format import BaseName, SegmentName
 from ..inventory import Inventory, RestorePlan
+from ..keptsteps import is_kept_path, read_kept
 from ..loading import load_state
 from ..offline import replay_plan
 from ..runstore import RunStore, session_path
@@ -149,6 +150,8 @@ def _check_objects(store: RunStore, inv: Inventory, bad: Bad, label: str = "") -
         except (ValueError, DiffCkptError) as exc:
             bad(session_path(gen), f"cannot be read: {exc}")
             unusable.update(b for b in inv.bases if b.gen == gen)
+    for marker, damage in read_kept(store.storage, [p for p in inv.sizes if is_kept_path(p)])[1].items():
+        bad(marker, f"{damage}; retention keeps every step until it is repaired or deleted")
     committed = {b.dir for b in inv.bases}
     stray = sorted({p.rsplit("/", 1)[0] for p in inv.sizes if p.startswith("bases/")} - committed)
     total = len(inv.bases) + len(inv.segments)

@@ -44,8 +44,9 @@ class Maintenance:
             stream has committed this session's newest base. The last retention pass at
             :meth:`close` waits for it (up to close's timeout), so that a finished job leaves every
             stream trimmed alike and not only those whose writers happened to finish first.
-        kept: ``(gen, step, why)`` of further steps retention keeps, asked at each pass (steps
-            that a framework's saves name, which the policy does not know of).
+        kept: ``(gen, step, why)`` of further steps retention keeps, asked at each pass: the steps
+            this process's framework saves name, whose kept markers (which every pass reads from
+            the run root, :func:`~diffckpt.lifecycle.retention.plan_gc`) may not be written yet.
     """
 
     def __init__(self, storage: Storage, progress: Callable[[], tuple[int | None, int, int]], *,

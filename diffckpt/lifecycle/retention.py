@@ -15,6 +15,7 @@ than ``min_age_s``, so a writer still at work is never disturbed.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -25,6 +26,7 @@ from ..deprecation import renamed_kwargs
 from ..errors import CorruptRecordError, DiffCkptError
 from ..format import BaseName, SegmentName
 from ..inventory import Inventory
+from ..keptsteps import is_kept_path, read_kept
 from ..policyoptions import RetentionPolicy
 from ..rankstreams import RANKS_DIR
 from ..runstore import RunStore, session_path
@@ -36,9 +38,7 @@ from .leftovers import Leftover, details_of, hidden, leftovers
 __all__ = ["GcPlan", "RetentionPolicy", "apply_gc", "collect_garbage", "plan_gc"]
 
 RANKS_PREFIX = RANKS_DIR + "/"
-
-
-
+log = logging.getLogger("diffckpt")
 
 
 @dataclass
@@ -108,31 +108,36 @@ def _ends(inv: Inventory, bases: list[BaseName]) -> set[int]:
     return ends
 
 
-def _targets(inv: Inventory, policy: RetentionPolicy, mtimes: dict[str, float | None],
-             now: float, also: Sequence[tuple[int, int, str]] = ()) -> dict[tuple[int, int, int], list[str]]:
+def _targets(inv: Inventory, policy: RetentionPolicy, mtimes: dict[str, float | None], now: float,
+             also: Sequence[tuple[int, int, str]] = (), everything: str | None = None
+             ) -> dict[tuple[int, int, int], list[str]]:
     """``{(gen, step, base step): reasons}`` of every step to keep restorable (``also``: more
-    ``(gen, step, reason)`` to keep, which the policy does not know of)."""
+    ``(gen, step, reason)`` to keep, which the policy does not know of; ``everything``: why every
+    step is kept whatever the policy)."""
     out: dict[tuple[int, int, int], list[str]] = {}
     reaches: dict[int, list[tuple[BaseName, int]]] = {}  # per session: (base, chain end), newest first
     for b in sorted(inv.bases, reverse=True):
         reaches.setdefault(b.gen, []).append((b, inv.chain_end(b)))
 
-    def keep(gen: int, step: int, reason: str, base: BaseName | None = None) -> None:
+    def keep(gen: int, step: int, reason: str, base: BaseName | None = None) -> bool:
         # Without a base named: the newest committed base of ``gen`` whose chain reaches ``step``
         # (the least replay).
         base = base or next((b for b, end in reaches.get(gen, ()) if b.step <= step <= end), None)
         if base is not None:
             out.setdefault((gen, step, base.step), []).append(reason)
+        return base is not None
 
     for gen, step, reason in also:
-        keep(gen, step, reason)
+        # A save made after its session ended may name a step of an earlier session: the newest
+        # earlier session that holds it.
+        any(keep(g, step, reason) for g in [gen, *sorted((g for g in reaches if g < gen), reverse=True)])
     newest_gen = next((g for g in inv.gens() if any(b.gen == g for b in inv.bases)), None)
     if newest_gen is None:
         return out
     keep(newest_gen, inv.newest_step(newest_gen) or 0, "newest durable step")
-    if policy.keeps_everything:
+    if policy.keeps_everything or everything is not None:
         for base in inv.bases:
-            keep(base.gen, inv.chain_end(base), "no keep_* policy: everything is kept", base)
+            keep(base.gen, inv.chain_end(base), everything or "no keep_* policy: everything is kept", base)
         return out
     if policy.keep_last_bases is not None:
         n = policy.keep_last_bases
@@ -170,12 +175,28 @@ def plan_gc(store: RunStore, policy: RetentionPolicy, now: float | None = None,
             also: Sequence[tuple[int, int, str]] = ()) -> GcPlan:
     """Decide what to delete under ``policy`` from one listing of the run (deletes nothing).
 
-    A sharded run's rank streams are planned each on its own, under the same policy, and each
-    also keeps the newest step durable on every rank (a rank ahead of the others must not drop
-    what a restore of that step needs from it). ``also``: more ``(gen, step, reason)`` to keep.
+    Besides the policy's steps, the steps that kept markers name (``kept/``, the saves of
+    frameworks: :mod:`diffckpt.keptsteps`) are kept, and ``also``: more ``(gen, step, reason)``.
+    A marker that cannot be read names a step nobody can tell: every step is then kept (and
+    leftovers still go) until it is repaired or deleted. A sharded run's rank streams are planned
+    each on its own, under the same policy and markers, and each also keeps the newest step
+    durable on every rank (a rank ahead of the others must not drop what a restore of that step
+    needs from it).
     """
     now = time.time() if now is None else now
     details = details_of(store)
+    marked, damaged = read_kept(store.storage, [p for p in details if is_kept_path(p)])
+    everything = None
+    if damaged:
+        problems = "; ".join(damaged.values())
+        everything = f"every step is kept: {problems} (repair or delete it)"
+        log.warning("diffckpt: retention keeps every step of %s: %s", store.storage.url, problems)
+    also = [*also, *((k.gen, k.step, k.why) for k in marked)]
+    return _plan(store, policy, now, also, details, everything)
+
+
+def _plan(store: RunStore, policy: RetentionPolicy, now: float, also: Sequence[tuple[int, int, str]],
+          details: dict[str, tuple[int, float | None]], everything: str | None) -> GcPlan:
     streams = any(p.startswith(RANKS_PREFIX) for p in details)
     details = {p: v for p, v in details.items() if not p.startswith(RANKS_PREFIX)}
     inv = store.inventory({p: size for p, (size, _) in details.items() if not hidden(p)})
@@ -184,7 +205,7 @@ def plan_gc(store: RunStore, policy: RetentionPolicy, now: float | None = None,
     needed: set[str] = set()  # base directories
     reach: dict[BaseName, int] = {}  # kept base -> the furthest kept step restored from it
     by_key: dict[tuple[int, int], Kept] = {}
-    for (gen, step, base_step), reasons in sorted(_targets(inv, policy, mtimes, now, also).items()):
+    for (gen, step, base_step), reasons in sorted(_targets(inv, policy, mtimes, now, also, everything).items()):
         base = BaseName(base_step, gen)
         needed.add(base.dir)
         reach[base] = max(reach.get(base, step), step)
@@ -222,12 +243,12 @@ def plan_gc(store: RunStore, policy: RetentionPolicy, now: float | None = None,
     plan.leftovers = [x for x in leftovers(store, details, committed, now - policy.min_age_s)
                       if x.path not in planned and not x.path.startswith(RANKS_PREFIX)]
     if streams:
-        plan.streams = _plan_streams(store, policy, now, also)
+        plan.streams = _plan_streams(store, policy, now, also, everything)
     return plan
 
 
 def _plan_streams(store: RunStore, policy: RetentionPolicy, now: float,
-                  also: Sequence[tuple[int, int, str]] = ()) -> dict[str, GcPlan]:
+                  also: Sequence[tuple[int, int, str]], everything: str | None) -> dict[str, GcPlan]:
     run = ShardedRun(store.storage)
     sessions = run.sessions()
     floors = []
@@ -238,8 +259,8 @@ def _plan_streams(store: RunStore, policy: RetentionPolicy, now: float,
             break
     plans = {}
     for prefix in rank_streams(store.storage):
-        sub = RunStore(substorage(store.storage, prefix))
-        plans[prefix] = plan_gc(sub, policy, now, [*floors, *also])  # a sharded step lies in every stream
+        sub = RunStore(substorage(store.storage, prefix))  # a sharded step lies in every stream
+        plans[prefix] = _plan(sub, policy, now, [*floors, *also], details_of(sub), everything)
     return plans
 
 

@@ -196,3 +196,29 @@ def test_load_state_of_an_automatically_named_save_continues_the_numbering(accel
     acc.save_state()
     assert (tmp_path / "checkpoints" / "checkpoint_1").is_dir()
     ckpt.close()
+
+
+def test_save_state_folders_keep_their_steps_until_total_limit_removes_them(accelerator_factory, tmp_path):
+    """Each save_state folder keeps its step in the run root (a marker every later session and
+    ``diffckpt gc`` read); Accelerate's ``total_limit`` removes the oldest folder, and with it the
+    keep of its step, so that retention may reclaim it."""
+    from diffckpt import CheckpointOptions, RetentionPolicy, collect_garbage, open_storage
+    from diffckpt.keptsteps import KeptSteps
+    from diffckpt.runstore import RunStore
+
+    config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=1)
+    acc = accelerator_factory(project_config=config)
+    model, opt, dl = _prepare(acc)
+    run = tmp_path / "diffckpt"
+    kept = KeptSteps(open_storage(str(run)), lambda fn: fn(), lambda: None)
+    with DiffCheckpointer(acc, run, write_batch=1, options=CheckpointOptions(retention=None)) as ckpt:
+        _train(acc, model, opt, ckpt.dataloader(dl), 2)
+        acc.save_state()  # checkpoint_0: step 2
+        ckpt.engine.flush()
+        assert [(k.step, k.why) for k in kept.saved()] == [(2, f"save_state({tmp_path}/checkpoints/checkpoint_0)")]
+        _train(acc, model, opt, ckpt.dataloader(dl), 2)
+        acc.save_state()  # checkpoint_1 (step 4); total_limit=1 removed checkpoint_0
+    assert not (tmp_path / "checkpoints" / "checkpoint_0").exists()
+    assert [(k.step, k.why) for k in kept.saved()] == [(4, f"save_state({tmp_path}/checkpoints/checkpoint_1)")]
+    collect_garbage(run, RetentionPolicy(keep_last_bases=1), dry_run=False)
+    assert [b.step for b in RunStore(open_storage(str(run))).inventory().bases] == [4]

@@ -65,6 +65,22 @@ def test_cli_golden_session(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
                            + (f"stderr:\n{err}" if err else ""), tmp_path))
 
 
+def test_cli_golden_kept_steps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A step that a framework's save names (a kept marker) in what ``gc`` and ``ls`` show."""
+    from diffckpt.keptsteps import KeptSteps
+    from diffckpt.storage import open_storage
+
+    root = tmp_path / "run"
+    fixed_run(root)
+    kept = KeptSteps(open_storage(str(root)), lambda fn: fn(), lambda: 13)
+    kept.gen = 1
+    kept.keep(3, "saved as best.ckpt")
+    for name, argv in [("gc-kept", ["gc", root, "--keep-last-bases", "1"]), ("ls-kept", ["ls", root])]:
+        rc, out, err = cli(capsys, *argv)
+        _check(name, _mask(f"$ diffckpt {' '.join(map(str, argv))}\nexit {rc}\n{out}"
+                           + (f"stderr:\n{err}" if err else ""), tmp_path))
+
+
 def test_progress_bars_on_a_terminal(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                      monkeypatch: pytest.MonkeyPatch) -> None:
     import sys

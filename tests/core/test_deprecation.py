@@ -51,3 +51,12 @@ def test_the_old_url_keyword_still_works(tmp_path: Path) -> None:
     with pytest.warns(DeprecationWarning, match=r"compact\(dirpath=\.\.\.\)"):
         result = compact(url=root, to=6)
     assert result.step == 6
+
+
+def test_after_queued_still_runs_its_call_and_names_when_removed(tmp_path: Path) -> None:
+    from diffckpt import CheckpointEngine
+
+    ran: list[int] = []
+    with pytest.warns(DeprecationWarning, match=r"when_removed\(fn, name=\.\.\.\)"):
+        CheckpointEngine(tmp_path / "run").after_queued(lambda: ran.append(1))
+    assert ran == [1]

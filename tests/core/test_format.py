@@ -492,6 +492,22 @@ def test_commit_bytes_are_as_documented() -> None:
     assert data.decode() in DOC.read_text(), "the COMMIT example in docs/format.md is stale"
 
 
+def test_kept_marker_bytes_and_name_are_as_documented() -> None:
+    """Section 9a's example: the marker of ``saved as best.ckpt`` at step 3 of session 1; the
+    name is XXH3-128 of ``why`` in UTF-8, computed here with xxhash itself."""
+    import xxhash
+
+    from diffckpt.keptsteps import decode_kept, encode_kept, is_kept_path, kept_path
+
+    why = "saved as best.ckpt"
+    path, data = kept_path(why), encode_kept(1, 3, why)
+    assert path == f"kept/{xxhash.xxh3_128(why.encode()).hexdigest()}.json" and is_kept_path(path)
+    assert not is_kept_path("kept/.x.json.1234abcd.tmp") and not is_kept_path("kept/a/b.json")
+    assert json.loads(data) == {"format": 3, "gen": 1, "step": 3, "why": why}
+    assert decode_kept(data, path).step == 3
+    assert f"{path}\n{data.decode()}" in DOC.read_text(), "the kept marker example in docs/format.md is stale"
+
+
 def test_names_and_run_layout() -> None:
     assert SegmentName(0, 2, 1).path == "diffs/000000000000-000000000002.g000001.seg"
     assert BaseName(0, 1).commit_path == "bases/000000000000.g000001/COMMIT"

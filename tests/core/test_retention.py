@@ -375,3 +375,92 @@ def test_steps_framework_saves_name_outlive_the_default_retention(tmp_path: Path
         result, restored, _ = restore(root, step)
         assert result.step == step and all(torch.equal(v, restored.state_dict()[k]) for k, v in truth[step].items())
     _gone(root, [bases[1] - 1])  # past the saved steps, an old chain went
+
+
+def _session(root: Path, first: int, last: int, truth: dict[int, Any], saves: dict[int, str],
+             keeps: dict[int, str] | None = None, **options: Any) -> Any:
+    """One training session (a plain loop through CheckpointEngine) from ``first`` (resumed when
+    above 0) to ``last``; at each step of ``saves`` a framework save names it, at each step of
+    ``keeps`` :meth:`CheckpointEngine.keep` keeps it (as Accelerate's ``save_state`` does)."""
+    from engine_runs import LoopState, make
+
+    from diffckpt import CheckpointEngine, CheckpointOptions
+
+    module, optimizers = make()
+    sched = torch.optim.lr_scheduler.StepLR(optimizers[0], 10)
+    engine = CheckpointEngine(root, CheckpointOptions(base_every_n_steps=5, write_batch=2, **options))
+    if first:
+        assert engine.resume(module, optimizers, first).step == first
+    engine.begin(module, optimizers, first, LoopState(sched))
+    for step in range(first + 1, last + 1):
+        optimizer_step(module, optimizers, step)
+        sched.step()
+        engine.commit(step, LoopState(sched))
+        truth[step] = {k: v.clone() for k, v in module.state_dict().items()}
+        if step in saves:
+            engine.when_restorable(step, lambda: None, name=saves[step])
+        if step in (keeps or {}):
+            engine.keep(step, (keeps or {})[step])
+    engine.end()
+    return engine
+
+
+def test_steps_framework_saves_name_stay_kept_in_later_sessions_and_gc(tmp_path: Path) -> None:
+    """A save's step is recorded in the run root (``kept/``): a resumed session's retention and
+    ``diffckpt gc`` in a fresh process keep it however many bases come after, until the
+    framework removes the save; then its step goes at the next collection."""
+    import subprocess
+    import sys
+
+    from helpers import subprocess_env
+
+    root, truth = tmp_path / "run", {}
+    tight = {"retention": RetentionPolicy(keep_last_bases=1)}
+    _session(root, 0, 20, truth, {6: "epoch=0-step=6.ckpt"}, **tight)
+    assert len(list((root / "kept").glob("*.json"))) == 1
+    # A new process's session: 8 more bases.
+    engine = _session(root, 20, 60, truth, {}, {42: "save_state(out/step42)"}, **tight)
+    assert [b.step for b in _inv(root).bases] == [5, 40, 60]  # bases 5 and 40 stay, for steps 6 and 42
+    for step in (6, 42):
+        result, module, _ = restore(root, step)
+        assert result.step == step
+        assert all(torch.equal(v, module.state_dict()[k]) for k, v in truth[step].items())
+    # `diffckpt gc` in a fresh process, with a policy that keeps only the newest base, keeps both.
+    proc = subprocess.run([sys.executable, "-m", "diffckpt", "gc", str(root), "--keep-last-bases", "1",
+                           "--apply", "--json"], capture_output=True, text=True, env=subprocess_env(),
+                          timeout=120, check=True)
+    import json
+
+    kept = {k["step"]: k["reasons"] for k in json.loads(proc.stdout)["kept"]}
+    assert kept[6] == ["saved as epoch=0-step=6.ckpt"] and kept[42] == ["save_state(out/step42)"], kept
+    assert restore(root, 6)[0].step == 6
+    # The framework removes its saves: their steps are kept no more.
+    removed: list[str] = []
+    engine.when_removed(lambda: removed.append("file"), name="epoch=0-step=6.ckpt")
+    engine.release("save_state(out/step42)")
+    assert removed == ["file"] and not list((root / "kept").glob("*.json"))
+    plan = collect_garbage(root, dry_run=False)  # the policy the newest session recorded
+    assert [b.step for b in _inv(root).bases] == [60] and plan.objects > 0
+    _gone(root, [6, 42])
+
+
+def test_a_damaged_kept_marker_keeps_every_step(run: tuple[Path, dict[int, Any]], caplog: Any) -> None:
+    """A marker that cannot be read names a step nobody can tell: nothing is deleted for it."""
+    from diffckpt.keptsteps import kept_path
+
+    root, truth = run
+    marker = root / kept_path("saved as best.ckpt")
+    marker.parent.mkdir()
+    marker.write_bytes(b'{"format": 3, "gen": 1, "step": ')  # torn
+    plan = collect_garbage(root, RetentionPolicy(keep_last_bases=1), dry_run=False)
+    assert plan.objects == 0 and "kept marker is damaged" in caplog.text
+    why = f"every step is kept: {marker.relative_to(root)}: kept marker is damaged (not a JSON object) (repair or delete it)"
+    assert plan.kept and all(why in k.reasons for k in plan.kept), plan.kept
+    _restorable(root, truth, [2, 13])
+    from diffckpt.cli import main
+
+    assert main(["verify", str(root)]) != 0  # verify names it, as damage
+    marker.write_bytes(b'{"format": 99, "gen": 1, "step": 2, "why": "x"}')  # a newer diffckpt's
+    assert collect_garbage(root, RetentionPolicy(keep_last_bases=1)).objects == 0
+    marker.unlink()  # deleted by hand: the policy applies again
+    assert collect_garbage(root, RetentionPolicy(keep_last_bases=1)).objects > 0

@@ -117,3 +117,48 @@ def test_lifecycle_example_exports_the_trained_model() -> None:
     assert rc == 0, log[-3000:]
     assert "compacted step 48 of g1" in log or "already has a base" in log, log[-3000:]
     assert "equal the trained model (53 tensors, torch.equal): yes" in log, log[-3000:]
+
+
+def test_best_model_path_of_an_earlier_session_survives_a_resumed_sessions_retention(tmp_path: Path) -> None:
+    """ModelCheckpoint's best save names a step of session 1; session 2 (a new Trainer resuming
+    the run) keeps only the newest base by its policy and writes many more, yet
+    ``ckpt_path="best"`` still loads that step bit for bit. Once Lightning removes the save
+    (``remove_checkpoint``), retention may reclaim the step."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from test_coexistence import _Lit, _weights
+
+    from diffckpt import CheckpointOptions, RetentionPolicy
+    from lightning_ckpt import DiffCheckpoint, DiffCheckpointIO
+
+    run = str(tmp_path / "run")
+    options = CheckpointOptions(write_batch=4, base_every_n_steps=4, retention=RetentionPolicy(keep_last_bases=1))
+
+    def fit(epochs: int, ckpt_path: str | None) -> tuple[Any, ModelCheckpoint]:
+        # mode="max": the loss falls, so the best save stays the first epoch's (step 8).
+        mc = ModelCheckpoint(dirpath=tmp_path / "mc", monitor="val_loss", mode="max", save_top_k=1)
+        trainer = L.Trainer(max_epochs=epochs, accelerator="cpu", logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, deterministic=True, plugins=[DiffCheckpointIO()],
+                            callbacks=[DiffCheckpoint(run, options=options), mc])
+        trainer.fit(_Lit(), ckpt_path=ckpt_path)
+        return trainer, mc
+
+    L.seed_everything(0)
+    trainer, mc = fit(2, None)
+    best = mc.best_model_path
+    assert best.endswith("step=8.ckpt")
+    with pytest.warns(UserWarning, match="multiple `ModelCheckpoint`"):
+        trainer.validate(ckpt_path="best", verbose=False)
+    at_best = _weights(trainer.lightning_module)
+    trainer, mc = fit(6, run)  # resumed at step 16: 8 more bases, only the newest kept by the policy
+    assert mc.best_model_path == best
+    bases = [(gen, step) for gen, step, *_ in _bases(run)]
+    assert bases[0] == (1, 8) and len(bases) == 2 and bases[1][1] == 48, bases
+    with pytest.warns(UserWarning, match="multiple `ModelCheckpoint`"):
+        trainer.validate(ckpt_path="best", verbose=False)
+    assert_bitwise_equal(at_best, _weights(trainer.lightning_module))
+    # Lightning removes the save (top-k rotation does so through the checkpoint IO): the step goes.
+    trainer.strategy.remove_checkpoint(best)
+    assert not Path(best).exists() and not list((tmp_path / "run" / "kept").glob("*.json"))
+    diffckpt.collect_garbage(run, dry_run=False)
+    assert [step for _, step, *_ in _bases(run)] == [48]

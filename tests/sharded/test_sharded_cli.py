@@ -232,6 +232,25 @@ def test_gc_apply_keeps_the_newest_step_restorable_on_every_rank(run: Path, caps
     assert rc == 0, out
 
 
+def test_gc_keeps_a_kept_step_in_every_rank_stream(run: Path, capsys: Cap) -> None:
+    """A step that a save names is kept at the root (``kept/``) and kept in every rank's stream."""
+    from diffckpt.keptsteps import KeptSteps
+
+    kept = KeptSteps(open_storage(str(run)), lambda fn: fn(), lambda: 6)
+    kept.gen = 1
+    kept.keep(2, "saved as epoch=0-step=2.ckpt")
+    rc, out, _ = cli(capsys, "gc", run, "--keep-last-bases", "1", "--apply")
+    assert rc == 0 and "deleted 0 objects" not in out, out
+    for rank in (0, 1):
+        assert re.search(rf"ranks/r0000{rank} +0\.\.2 +g1 +saved as epoch=0-step=2.ckpt", out), out
+        assert (run / f"ranks/r0000{rank}/bases/000000000000.g000001/COMMIT").exists()
+    assert diffckpt.load_state(run, 2)["step"] == 2 and diffckpt.load_state(run)["step"] == 6
+    rc, out, _ = cli(capsys, "ls", run)
+    assert rc == 0 and re.search(r"\n  2 +g1 +saved as epoch=0-step=2.ckpt +kept/[0-9a-f]{32}\.json\n", out), out
+    rc, out, _ = cli(capsys, "verify", run)
+    assert rc == 0, out
+
+
 def _rank0_ahead(run: Path, capsys: Cap) -> None:
     """Rank 0 gets a base at 6 (compacted on its own stream); rank 1 loses its segment to 6:
     step 4 is the newest durable on every rank, and rank 0's newest base is past it."""
