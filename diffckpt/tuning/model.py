@@ -179,7 +179,8 @@ def _model(n: np.ndarray, b: np.ndarray, base: np.ndarray, m: Measurements, o: T
     stall = np.zeros_like(k)
     if m.record_bytes + m.state_bytes > 0:
         c = m.base_capture_s
-        t1 = np.maximum(w_seg, c)
+        # The journal's records were encoded as they came: at a base only the commit is left.
+        t1 = np.maximum(m.latency_s + k * D / B if m.local_tier else w_seg, c)
         t2 = t1 + w_base
         fit1 = np.maximum(0.0, np.floor((M - pending - S) / R))
         fit2 = np.maximum(1.0, np.floor((M - S) / R))
