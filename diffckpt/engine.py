@@ -287,9 +287,12 @@ class CheckpointEngine:
         if step <= clock.recorded:
             raise DiffCkptError(f"step {step} committed after step {clock.recorded}; steps must increase")
         rec = self.recorder
+        spacing = rec.settings.every_n_steps
         tuning = self._coord.review(rec.tuning, step, self._sharded) if rec.review_due(step) else {}
         base = force_base or rec.wants_base(step)
-        restorable = force_state or base or rec.wants_state(step)
+        # A new spacing of restorable points starts from one (every rank adopted the same), so
+        # no crash loses more than the spacing the tuner chose and stated.
+        restorable = force_state or base or rec.settings.every_n_steps != spacing or rec.wants_state(step)
         with rec.measuring_state():
             ranks = self._coord.rank_states(source, self._sharded) if restorable else None
             codec_states = self._coord.codec_states(self._compressor) if base else None

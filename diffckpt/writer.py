@@ -344,6 +344,8 @@ class BackgroundWriter:
                 self._open = OpenSegment(self.storage, self.gen, self._after, self.options.compression,
                                          self.options.compression_level, journal=self.journal, lost=self._tier_lost)
             self._open.add(record)  # a full disk: a StorageError naming the spool's folder
+            if self.meter is not None and "fingerprint_params" not in record:  # what a state adds
+                self.meter.add_encoded(self._open.encoder.entries[-1]["raw_length"], record.get("state") is not None)
             self.journaled_step = record["step"] if self.journal is not None else None
             if self.journaled_step is not None and record.get("state") is not None:
                 self.journaled_restorable = self.journaled_step

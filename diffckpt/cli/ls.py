@@ -15,6 +15,7 @@ from ..keptsteps import is_kept_path, read_kept
 from ..localtier import read_local_tier
 from ..policyoptions import BY_BYTES
 from ..runstore import RunStore
+from ..tuning.risk import say_risk
 from ..units import format_bytes, format_duration
 from .common import open_run, table, when
 from .sharded import describe_streams, open_sharded, render_streams
@@ -193,6 +194,7 @@ def render(d: dict[str, Any]) -> str:
               for s in d["sessions"] if s["options"]]
     lines += [f"  g{s['gen']} auto-tuned: " + "; ".join(
         f"step {t.get('step')}: " + " ".join(f"{k}={v}" for k, v in (t.get("settings") or {}).items())
+        + (f" ({say_risk(t['loss_per_failure'])})" if t.get("loss_per_failure") else "")
         for t in s["tuning"]) for s in d["sessions"] if s.get("tuning")]
     lines += streams["ranks"] if streams else []
     lines += ["", "bases", *(streams["bases"] if streams else table(["step", "gen", "size", "path"], [

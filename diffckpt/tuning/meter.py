@@ -43,8 +43,9 @@ class Meter:
     Thread-safe: the training thread and the writer thread both report.
     """
 
-    def __init__(self, memory_bytes: int, window: int = 32) -> None:
+    def __init__(self, memory_bytes: int, window: int = 32, local_tier: bool = False) -> None:
         self.memory_bytes = memory_bytes
+        self.local_tier = local_tier  # records journaled on the node (CheckpointOptions.local_dir)
         self._lock = threading.Lock()
         self._writes: collections.deque[tuple[int, float]] = collections.deque(maxlen=window)
         self._bandwidth: float | None = None
@@ -52,6 +53,8 @@ class Meter:
         self._steps_seen = 0
         self.record_s = Ewma()
         self.state_s = Ewma()
+        self.plain_record = Ewma()  # encoded bytes of a record without state, and of one with it
+        self.state_record = Ewma()
         self.record_bytes = Ewma()
         self.diff_ratio = Ewma()  # encoded / raw bytes of segments
         self.encode_s_per_byte = Ewma()
@@ -103,6 +106,12 @@ class Meter:
             if samples:
                 self._bandwidth = fit_write_cost(samples)[1]
 
+    def add_encoded(self, raw_bytes: int, restorable: bool) -> None:
+        """The writer encoded a record of ``raw_bytes``, with its framework state if
+        ``restorable``: the difference is what a restorable point adds to storage and memory."""
+        with self._lock:
+            (self.state_record if restorable else self.plain_record).add(raw_bytes)
+
     def add_segment(self, raw_bytes: int, encoded_bytes: int, encode_s: float) -> None:
         with self._lock:
             if raw_bytes > 0:
@@ -152,4 +161,13 @@ class Meter:
                 diff_bytes=diff_bytes, record_bytes=record_bytes, encode_s_per_byte=encode,
                 latency_s=latency, bandwidth_bps=bandwidth, base_bytes=base_bytes,
                 base_capture_s=base_capture, base_encode_s=base_encode,
-                replay_step_s=replay, base_load_s=load, memory_bytes=float(self.memory_bytes), steps=steps)
+                replay_step_s=replay, base_load_s=load, memory_bytes=float(self.memory_bytes), steps=steps,
+                state_bytes=self._state_bytes(), local_tier=self.local_tier)
+
+    def _state_bytes(self) -> float:
+        """What a restorable point adds to its record: against the encoded records without state,
+        or, while every record has it (every_n_steps=1), against the step's own bytes."""
+        if self.state_record.value is None:
+            return 0.0
+        plain = self.plain_record.value if self.plain_record.value is not None else self.record_bytes.get()
+        return max(0.0, self.state_record.value - plain)

@@ -3,7 +3,10 @@
 
 The cost model (``docs/tuning.md`` derives it) is the expected time lost per unit of training
 time: what checkpointing costs the training thread, plus the failure rate times what a failure
-costs (the work since the last durable step, and the recovery: base load plus replay). The tuner
+costs (the work since the newest step a resume gets back, and the recovery: base load plus
+replay). Without the node-local tier that step is the newest durable one; with it, the newest
+restorable step journaled on the node, so a restorable point then trades its own cost (the state
+gathered, its bytes) against the work a crash loses, and no longer against segment writes. The tuner
 evaluates it over a grid of candidate settings, keeps those that satisfy the constraints (the
 writer keeps up, buffered diffs fit in memory, overhead within ``max_overhead``, worst-case
 recovery within ``rto_s``) and picks the cheapest; it switches away from the settings in force
@@ -26,6 +29,9 @@ __all__ = ["AUTO", "AutoTuner", "Decision", "Estimate", "Measurements", "Setting
 WRITER_HEADROOM = 0.8  # the writer may be busy at most this share of the time
 HYSTERESIS = 0.1  # switch only when the new settings lose at least 10% less
 MAX_INTERVAL = 1_000_000
+# The longest segment weighed with restorable points inside it (node-local tier): enough to
+# amortize a write request, and a grid of n x b x base small enough to review in milliseconds.
+MAX_SEGMENT = 10_000
 
 
 def _grid(limit: int) -> list[int]:
@@ -64,6 +70,9 @@ class Measurements:
         base_load_s: time to read and load a base when restoring.
         memory_bytes: memory the writer queue may hold (``max_pending_bytes``).
         steps: steps trained in this session (for ``base_every_n_steps=None``).
+        state_bytes: bytes a restorable point adds to its step's record (the framework state).
+        local_tier: records are journaled on the node as they are encoded (``local_dir``), so a
+            crash loses only the steps since the newest restorable one, not the durable lag.
     """
 
     step_s: float
@@ -81,6 +90,8 @@ class Measurements:
     base_load_s: float
     memory_bytes: float
     steps: int = 0
+    state_bytes: float = 0.0
+    local_tier: bool = False
 
     def as_dict(self) -> dict[str, float]:
         return {k: float(v) for k, v in self.__dict__.items()}
@@ -90,7 +101,7 @@ class Measurements:
         """What several writers of one job measured, as one writer at the worst of each (sharded
         training: every rank writes its stream, and the slowest decides when steps are durable
         and restored): the largest costs and sizes, the smallest bandwidth and memory."""
-        least = {"bandwidth_bps", "memory_bytes", "steps"}
+        least = {"bandwidth_bps", "memory_bytes", "steps", "local_tier"}  # a rank without the tier: off
         return cls(**{k: (min if k in least else max)(getattr(m, k) for m in ms) for k in cls.__dataclass_fields__})
 
 
@@ -121,13 +132,16 @@ class Estimate:
 
     settings: Settings
     overhead: float  # share of step time taken from training (capture, base copies, stalls)
-    lost_work_s: float  # expected work lost by a failure (since the last durable step)
+    lost_work_s: float  # expected work lost by a failure (since the newest step a resume gets back)
     recovery_s: float  # expected recovery time (base load + replay)
     worst_recovery_s: float
     writer_utilization: float
     memory_bytes: float  # peak bytes buffered for the writer
     loss: float  # expected time lost per unit of training time
     violations: tuple[str, ...] = ()
+    lost_steps: float = 0.0  # lost_work_s in steps
+    worst_lost_s: float = 0.0  # the most work a failure loses (just before a restorable point)
+    worst_lost_steps: float = 0.0
 
     @property
     def feasible(self) -> bool:
@@ -141,13 +155,17 @@ def _model(n: np.ndarray, b: np.ndarray, base: np.ndarray, m: Measurements, o: T
     One evaluation serves one setting (:func:`expected_loss`) and the whole candidate grid
     (:meth:`AutoTuner.decide`), so both always agree."""
     T = max(m.step_s, 1e-9)
-    R, S, M = m.record_bytes, m.base_bytes, m.memory_bytes
+    # A step's record in memory, and its bytes on storage, with the state a restorable point adds
+    # (every n-th record) spread over the steps.
+    R = m.record_bytes + m.state_bytes / n
+    D = m.diff_bytes + m.state_bytes / n * (m.diff_bytes / m.record_bytes if m.record_bytes > 0 else 1.0)
+    S, M = m.base_bytes, m.memory_bytes
     k = n * np.ceil(b / n)
     periodic = ~np.isnan(base)
     every = np.where(periodic, base, np.maximum(k, max(m.steps, 1)))
     B = max(m.bandwidth_bps, 1.0)
     # Writer time per segment and per base; bases are two objects (state, then COMMIT).
-    w_seg = m.encode_s_per_byte * k * R + m.latency_s + k * m.diff_bytes / B
+    w_seg = m.encode_s_per_byte * k * R + m.latency_s + k * D / B
     w_base = m.base_encode_s + 2 * m.latency_s + S / B
     rho_seg = w_seg / (k * T)
     rho = rho_seg + np.where(periodic, w_base / (every * T), 0.0)
@@ -155,28 +173,45 @@ def _model(n: np.ndarray, b: np.ndarray, base: np.ndarray, m: Measurements, o: T
     # At a base step the writer writes that step's segment (done at t1), then the base (done at
     # t2); the records trained meanwhile queue in what the segment and the base leave of
     # max_pending_bytes (the first one always gets in once the writer has taken the base).
-    # Training waits for the writer when the next record does not fit.
+    # Training waits for the writer when the next record does not fit; with the node-local tier
+    # also while the record handed over before is not journaled, so then one record fits.
     pending = k * R
     stall = np.zeros_like(k)
-    if R > 0:
+    if m.record_bytes + m.state_bytes > 0:
         c = m.base_capture_s
-        t1 = np.maximum(w_seg, c)
+        # The journal's records were encoded as they came: at a base only the commit is left.
+        t1 = np.maximum(m.latency_s + k * D / B if m.local_tier else w_seg, c)
         t2 = t1 + w_base
         fit1 = np.maximum(0.0, np.floor((M - pending - S) / R))
-        fit2 = max(1.0, float(np.floor((M - S) / R)))
+        fit2 = np.maximum(1.0, np.floor((M - S) / R))
+        if m.local_tier:
+            fit1, fit2 = np.minimum(fit1, 1.0), np.ones_like(k)
         stall = np.where(periodic, np.maximum(0.0, np.maximum(t1 - c - (fit1 + 1) * T, t2 - c - (fit2 + 1) * T)),
                          0.0)
     overhead_s = m.record_s + m.state_s / n + np.where(periodic, (m.base_capture_s + stall) / every, 0.0)
-    # A failure loses the steps since the last durable one: half a segment on average, plus the
-    # time the newest segment takes to become durable, plus the delay a base write adds to the
-    # segments queued behind it (it drains at the writer's spare rate).
-    spare = np.maximum(1 - rho_seg, 1e-12)
-    base_delay = np.where(periodic & (rho_seg < 1), w_base * w_base / (2 * spare * every * T), 0.0)
-    lost = k * (T + overhead_s) / 2 + w_seg + base_delay
-    recovery = m.base_load_s + m.replay_step_s * np.maximum(0.0, every - k) / 2
-    worst = m.base_load_s + m.replay_step_s * every
+    # A failure loses the work since the newest step a resume gets back, and the time that step
+    # takes to get where a resume finds it. Without the node-local tier that is the newest
+    # durable step: half a segment on average, the newest segment's write, and the delay a base
+    # write adds to the segments queued behind it (they drain at the writer's spare rate). With
+    # it, the newest restorable step journaled on the node: half of every_n_steps, and the
+    # encoding of one record (training waits while the record before is not journaled, so a
+    # base write stalls training, counted above, instead of adding to the loss); resuming then
+    # commits the journaled records (half a segment on average) as one segment first.
+    if m.local_tier:
+        gap, lag, late = n, m.encode_s_per_byte * R, np.zeros_like(k)
+        merge = m.latency_s + k * D / B  # at worst a whole segment; half of it on average
+        merge_avg = m.latency_s + k * D / (2 * B)
+    else:
+        spare = np.maximum(1 - rho_seg, 1e-12)
+        gap, lag, merge, merge_avg = k, w_seg, 0.0, 0.0
+        late = np.where(periodic & (rho_seg < 1), w_base * w_base / (2 * spare * every * T), 0.0)
+    lost = gap * (T + overhead_s) / 2 + lag + late
+    worst_lost = gap * (T + overhead_s) + lag + np.where(periodic & (late > 0), w_base, 0.0)
+    recovery = m.base_load_s + m.replay_step_s * np.maximum(0.0, every - gap) / 2 + merge_avg
+    worst = m.base_load_s + m.replay_step_s * every + merge
     return {
         "overhead": overhead_s / T, "lost": lost, "recovery": recovery, "worst": worst, "rho": rho,
+        "worst_lost": worst_lost, "step": T + overhead_s,
         "memory": pending + np.where(periodic, S + w_base / T * R, 0.0),
         "loss": overhead_s / T + (lost + recovery) / o.mtbf_s,
         "writer": rho > WRITER_HEADROOM * slack,
@@ -211,7 +246,7 @@ def expected_loss(s: Settings, m: Measurements, o: TuningOptions, slack: float =
     if r["rto"]:
         violations.append(f"worst-case recovery {r['worst']:.0f}s > rto_s {o.rto_s:.0f}s")
     return Estimate(s, r["overhead"], r["lost"], r["recovery"], r["worst"], r["rho"], r["memory"], r["loss"],
-                    tuple(violations))
+                    tuple(violations), r["lost"] / r["step"], r["worst_lost"], r["worst_lost"] / r["step"])
 
 
 @dataclass(frozen=True)
@@ -238,7 +273,7 @@ class AutoTuner:
     every_n_steps: int | str = AUTO
     write_batch: int | str = AUTO
     base_every_n_steps: int | str | None = AUTO
-    _grid: tuple[list[Settings], tuple[np.ndarray, np.ndarray, np.ndarray]] | None = field(
+    _grid: tuple[bool, list[Settings], tuple[np.ndarray, np.ndarray, np.ndarray]] | None = field(
         default=None, init=False, repr=False, compare=False)
 
     def fix_base_every(self, base_every_n_steps: int | None) -> None:
@@ -248,11 +283,15 @@ class AutoTuner:
             self.base_every_n_steps = base_every_n_steps
             self._grid = None
 
-    def candidates(self) -> list[Settings]:
+    def candidates(self, local_tier: bool = False) -> list[Settings]:
+        """The settings to weigh. ``local_tier``: a crash resumes from the newest restorable step
+        journaled on the node, so restorable points between two writes are worth their cost."""
         n_fixed, b_fixed, m_fixed = (v != AUTO for v in (self.every_n_steps, self.write_batch,
                                                           self.base_every_n_steps))
         pairs: list[tuple[int, int]] = []
-        if not n_fixed and not b_fixed:  # restorable points only where they become durable
+        if not n_fixed and not b_fixed and local_tier:  # segments of whole restorable intervals
+            pairs = [(n, n * j) for n in GRID for j in GRID if j == 1 or n * j <= MAX_SEGMENT]
+        elif not n_fixed and not b_fixed:  # restorable points only where they become durable
             pairs = [(k, k) for k in GRID]
         elif not n_fixed:
             pairs = [(n, int(self.write_batch)) for n in GRID]
@@ -274,10 +313,10 @@ class AutoTuner:
         """Pick the settings with the least expected loss among those meeting every constraint
         (or, if none does, the one with the fewest and mildest violations), and keep ``current``
         unless it breaks a constraint the choice meets or loses ``HYSTERESIS`` more."""
-        if self._grid is None:
-            candidates = self.candidates()
-            self._grid = (candidates, _arrays(candidates))
-        candidates, arrays = self._grid
+        if self._grid is None or self._grid[0] != m.local_tier:
+            candidates = self.candidates(m.local_tier)
+            self._grid = (m.local_tier, candidates, _arrays(candidates))
+        _, candidates, arrays = self._grid
         r = _model(*arrays, m, self.options, 1.0)
         count = r["writer"].astype(int) + r["pending"] + r["budget"] + r["rto"]
         # Feasible first, by expected loss; among infeasible ones, fewer violations, then the
@@ -304,7 +343,8 @@ def tuning_metrics(decision: Decision, m: Measurements) -> dict[str, float]:
     e = decision.estimate
     out = {f"diffckpt/{k}": float(v if v is not None else 0) for k, v in decision.settings.as_dict().items()}
     out.update({"diffckpt/expected_loss": e.loss, "diffckpt/overhead": e.overhead,
-                "diffckpt/lost_work_s": e.lost_work_s, "diffckpt/recovery_s": e.recovery_s,
+                "diffckpt/lost_work_s": e.lost_work_s, "diffckpt/lost_steps": e.lost_steps,
+                "diffckpt/worst_lost_steps": e.worst_lost_steps, "diffckpt/recovery_s": e.recovery_s,
                 "diffckpt/writer_utilization": e.writer_utilization})
     out.update({f"diffckpt/measured/{k}": float(v) for k, v in m.as_dict().items()})
     return out

@@ -33,6 +33,7 @@ from ..writer import BackgroundWriter
 from .meter import Meter
 from .model import AUTO, AutoTuner, Decision, Measurements, Settings, describe
 from .probe import probe_storage
+from .risk import risk, say_risk
 
 __all__ = ["AUTO_START_BASE_EVERY_N_STEPS", "REVIEW_BUDGET", "WARMUP_STEPS", "OnlineTuning"]
 
@@ -88,7 +89,8 @@ class OnlineTuning:
         self.decisions, self._tuned = [], False
         if self.tuner is None:
             return
-        meter = self.meter = writer.meter = Meter(self.options.max_pending_bytes)  # the writer times its writes
+        # The writer times its writes; with a journal a crash resumes from its restorable steps.
+        meter = self.meter = writer.meter = Meter(self.options.max_pending_bytes, local_tier=writer.journal is not None)
         if self.restore_timing is not None:
             meter.add_restore(*self.restore_timing)
         storage = writer.storage
@@ -217,13 +219,16 @@ class OnlineTuning:
             changes = ", ".join(f"{k} {getattr(old, k)} -> {v}" for k, v in new.as_dict().items()
                                 if getattr(old, k) != v)
             e = decision.estimate
+            at_risk = risk(e, m)
             log.info("diffckpt: auto-tuned at step %d: %s (%s; expected loss %.3f%% of training time: overhead "
-                     "%.2f%%, %.1fs lost and %.1fs recovery per failure). Measured: %s", step,
+                     "%.2f%%, %.1fs lost and %.1fs recovery per failure; %s). Measured: %s", step,
                      changes or "keeps " + " ".join(f"{k}={v}" for k, v in new.as_dict().items()),
-                     decision.reason, 100 * e.loss, 100 * e.overhead, e.lost_work_s, e.recovery_s, describe(m))
+                     decision.reason, 100 * e.loss, 100 * e.overhead, e.lost_work_s, e.recovery_s,
+                     say_risk(at_risk), describe(m))
             self.apply(new)
             self.decisions.append({"step": step, "settings": new.as_dict(), "reason": decision.reason,
-                                   "expected_loss": e.loss, "measurements": m.as_dict()})
+                                   "expected_loss": e.loss, "loss_per_failure": at_risk,
+                                   "measurements": m.as_dict()})
             self._save_decisions()
         return decision
 
@@ -267,7 +272,7 @@ class OnlineTuning:
         copied the state (``None``: not a restorable step); ``stalled`` waiting for the writer."""
         if self.meter is None:
             return
-        if state_s is not None:
+        if state_s is not None:  # what a restorable point costs the training thread
             self.meter.add_state(self._state_s + state_s)
         if self._mark is not None:  # training time since the previous call, checkpointing taken out
             self.meter.add_step(entered - self._mark - self._state_s - self._aside_s - copy_s,

@@ -51,9 +51,11 @@ NOTE = ('planning estimate: with every_n_steps="auto" (and the other knobs on "a
 
 
 def build_measurements(model: ModelSpec, latency_s: float, bandwidth_bps: float, host: HostCosts,
-                       replay_step_s: float | None = None) -> tuple[Measurements, dict[str, Any]]:
+                       replay_step_s: float | None = None, local_tier: bool = True
+                       ) -> tuple[Measurements, dict[str, Any]]:
     """The tuner's measurements for ``model`` on a storage of this write cost; also returns how
-    each figure was obtained (for the report)."""
+    each figure was obtained (for the report). ``local_tier``: training journals records on the
+    node, as by default (``CheckpointOptions.local_dir="auto"``)."""
     P = model.params
     record = model.record_bytes
     # Dense fp32 gradients are stored as they are (compression="auto" finds they do not pay);
@@ -72,7 +74,7 @@ def build_measurements(model: ModelSpec, latency_s: float, bandwidth_bps: float,
         record_bytes=record, encode_s_per_byte=per_byte, latency_s=latency_s,
         bandwidth_bps=bandwidth_bps, base_bytes=base, base_capture_s=base_capture,
         base_encode_s=base_encode, replay_step_s=replay, base_load_s=load,
-        memory_bytes=float(model.memory_bytes), steps=0)
+        memory_bytes=float(model.memory_bytes), steps=0, local_tier=local_tier)
     how = {"optimizer_step_s": optimizer_s,
            "replay_step_source": "given (--replay-step-time)" if replay_step_s is not None else "estimated"}
     return m, how
@@ -83,7 +85,8 @@ def _estimate(e: Estimate, mtbf_s: float) -> dict[str, Any]:
     return {"every_n_steps": s.every_n_steps, "write_batch": s.write_batch,
             "base_every_n_steps": s.base_every_n_steps, "segment_steps": s.segment_steps,
             "loss": e.loss, "loss_per_day_s": e.loss * DAY, "overhead": e.overhead,
-            "failures": e.loss - e.overhead, "lost_work_s": e.lost_work_s,
+            "failures": e.loss - e.overhead, "lost_work_s": e.lost_work_s, "lost_steps": e.lost_steps,
+            "worst_lost_steps": e.worst_lost_steps,
             "recovery_s": e.recovery_s, "worst_recovery_s": e.worst_recovery_s,
             "writer_utilization": e.writer_utilization, "memory_bytes": e.memory_bytes,
             "failures_per_day": DAY / mtbf_s, "feasible": not e.violations,

@@ -3,6 +3,8 @@ settings in force, the storage probe, and exact restores (no framework)."""
 
 from __future__ import annotations
 
+import itertools
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -134,6 +136,50 @@ def test_ls_shows_the_decisions_and_survives_a_damaged_tuning_log(tmp_path, caps
     assert main(["ls", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out
     assert re.search(r"g1 auto-tuned: step \d+: every_n_steps=\d+", out) and "tuning.mtbf_s=60" in out
+    # What each decision risks per failure, with the node-local tier (on by default) since the
+    # newest restorable step journaled on the node.
+    assert re.search(r"\(risks [\d.]+ steps \([\d.e-]+s\) per failure, at most \d+ \([\d.e-]+s\), since the newest "
+                     r"restorable step journaled on this node\)", out), out
+    assert main(["ls", str(tmp_path / "run"), "--json"]) == 0
+    risk = json.loads(capsys.readouterr().out)["sessions"][0]["tuning"][0]["loss_per_failure"]
+    assert risk["since"] == "restorable" and 0 < risk["steps"] <= risk["worst_steps"]
     (tmp_path / "run" / "sessions" / "g000001.tuning.json").write_text("{not json")
     assert main(["ls", str(tmp_path / "run")]) == 0
     assert "g1 auto-tuned:" not in capsys.readouterr().out
+
+
+def test_a_new_spacing_starts_from_a_restorable_point(tmp_path):
+    """Through ``begin``/``commit`` (what adapters call): the step where a review changes
+    ``every_n_steps`` is restorable, so no crash loses more than the new spacing (with the old
+    spacing's last point kept, a change to every 7 at step 10 would leave steps 9..14 bare)."""
+    import torch
+    from engine_runs import LoopState, optimizer_step
+
+    from diffckpt.tuning.model import Decision, expected_loss
+
+    module, optimizers = make()
+    sched = torch.optim.lr_scheduler.StepLR(optimizers[0], 10)
+    engine = CheckpointEngine(str(tmp_path / "run"), CheckpointOptions(
+        every_n_steps="auto", write_batch="auto", base_every_n_steps="auto", local_dir=str(tmp_path / "local"),
+        tuning=TuningOptions(retune_every_n_steps=10)))
+    tuner = engine.recorder.tuning.tuner
+    assert tuner is not None
+    chosen = Settings(7, 14, 500)
+
+    def decide(m, current=None):  # the tuner's choice, whatever this machine measured
+        estimate = expected_loss(chosen, m, tuner.options)
+        return Decision(chosen, estimate, None, current != chosen, "chosen by the test")
+
+    tuner.decide = decide  # type: ignore[method-assign]
+    engine.begin(module, optimizers, 0, LoopState(sched))
+    restorable = [0]
+    for step in range(1, 41):
+        optimizer_step(module, optimizers, step)
+        sched.step()
+        if engine.commit(step, LoopState(sched)).restorable:
+            restorable.append(step)
+    engine.end()
+    changed = RunStore(engine.storage).tuning_log(1)[0]["step"]
+    assert changed % 7 and changed in restorable, (changed, restorable)
+    after = [s for s in restorable if s >= changed]
+    assert all(b - a <= 7 for a, b in itertools.pairwise(after)), restorable

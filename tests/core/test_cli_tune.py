@@ -179,7 +179,8 @@ def test_s3_probe_removes_its_objects_and_latency_means_larger_segments(
 
     assert slow["probe"]["latency_s"] >= LATENCY * 0.9 > direct["probe"]["latency_s"]
     fast_rec, slow_rec = direct["recommended"], slow["recommended"]
-    assert slow_rec["every_n_steps"] >= fast_rec["every_n_steps"]
+    # With the node-local tier (training's default, which tune models) a crash loses the steps
+    # since the newest restorable step: latency lengthens segments, not every_n_steps.
     assert slow_rec["write_batch"] >= fast_rec["write_batch"]
     assert slow_rec["estimate"]["segment_steps"] > fast_rec["estimate"]["segment_steps"]
     # The writer keeps up: a segment spans enough step time to pay the request latency.

@@ -320,3 +320,103 @@ def test_meter_leaves_out_a_sessions_first_step_timings() -> None:
     meter.add_base(10_000_000, 0.0)
     m = meter.snapshot()
     assert m is not None and math.isclose(m.step_s, 0.1)
+
+
+# ------------------------------------------------------------------ node-local tier
+def test_with_the_local_tier_a_failure_loses_the_restorable_spacing_not_the_durable_lag() -> None:
+    """The journal keeps every record on the node: a crash resumes from the newest restorable
+    step journaled, half of every_n_steps back on average, whatever the segments and their lag."""
+    o, s = TuningOptions(), Settings(4, 40, 400)
+    journaled = expected_loss(s, meas(local_tier=True), o)
+    durable = expected_loss(s, meas(), o)
+    step = 0.2 * (1 + journaled.overhead)
+    assert math.isclose(journaled.lost_work_s, 4 * step / 2 + 1e-9 * 10 * MB, rel_tol=1e-6)
+    assert 2 <= journaled.lost_steps < 2.1 and 4 <= journaled.worst_lost_steps < 4.1
+    assert durable.lost_steps > 20 and durable.worst_lost_steps > 40
+    # The journaled records are committed as one segment before replay: recovery pays that.
+    assert journaled.recovery_s > expected_loss(s, meas(), o).recovery_s - 0.02 * 18
+
+
+def test_candidates_with_the_local_tier_put_restorable_points_inside_segments() -> None:
+    tuner = AutoTuner()
+    plain, tiered = set(tuner.candidates()), set(tuner.candidates(local_tier=True))
+    assert all(s.every_n_steps == s.write_batch for s in plain)
+    assert plain <= tiered and Settings(1, 8, 8) in tiered and Settings(5, 50, 500) in tiered
+    assert all(s.write_batch % s.every_n_steps == 0 for s in tiered)
+
+
+def test_with_the_local_tier_slow_storage_batches_writes_not_restorable_points() -> None:
+    """A request costs 4 s: the writer keeps up only with long segments. Without the tier
+    that spaced restorable points as far apart (a crash lost the segment); with it they stay as
+    close as their own cost warrants, and what a failure risks shrinks with them."""
+    m = meas(latency_s=4.0, state_s=2e-4)
+    o = {"mtbf_s": 3600.0}
+    durable, journaled = choose(m, **o), choose(dataclasses.replace(m, local_tier=True), **o)
+    assert durable.settings.every_n_steps == durable.settings.segment_steps >= 25
+    assert journaled.settings.segment_steps >= 25 and journaled.feasible
+    assert journaled.settings.every_n_steps * 4 <= journaled.settings.segment_steps
+    assert journaled.worst_lost_steps < durable.worst_lost_steps / 4
+
+
+def test_a_free_restorable_point_with_the_local_tier_comes_every_step() -> None:
+    """When a restorable point costs nothing, nothing justifies losing more than a step: the
+    tuner loses as little as every_n_steps=1 does, writing segments as storage wants."""
+    e = choose(meas(state_s=0.0, local_tier=True))
+    assert e.settings.every_n_steps == 1 and e.worst_lost_steps < 1.1
+
+
+def test_a_costlier_restorable_point_is_spaced_further_apart() -> None:
+    """Young's trade: 16 times the cost of a restorable point, about 4 times the spacing."""
+    m = meas(local_tier=True, latency_s=1e-3)
+    cheap, dear = choose(dataclasses.replace(m, state_s=1e-4)), choose(dataclasses.replace(m, state_s=1.6e-3))
+    ratio = dear.settings.every_n_steps / cheap.settings.every_n_steps
+    assert 2.5 <= ratio <= 6, (cheap.settings, dear.settings)
+    assert dear.lost_steps > cheap.lost_steps
+
+
+def test_a_restorable_points_bytes_load_the_writer() -> None:
+    """Framework state is written with its record: every step, it may be more than the diff."""
+    o, m = TuningOptions(), meas(local_tier=True)
+    light = expected_loss(Settings(1, 8, 400), m, o)
+    heavy = expected_loss(Settings(1, 8, 400), dataclasses.replace(m, state_bytes=20 * MB), o)
+    sparse = expected_loss(Settings(8, 8, 400), dataclasses.replace(m, state_bytes=20 * MB), o)
+    assert heavy.writer_utilization > light.writer_utilization + 0.15
+    assert light.writer_utilization < sparse.writer_utilization < heavy.writer_utilization
+
+
+def test_with_the_local_tier_a_base_write_stalls_training() -> None:
+    """Training waits while the record before is not journaled, and the writer journals nothing
+    while it writes a base: a slow base write stalls training instead of queueing records."""
+    m = meas(base_bytes=500 * MB, bandwidth_bps=25 * MB, memory_bytes=4e9)  # a 20 s base write, 0.2 s steps
+    o, s = TuningOptions(), Settings(10, 10, 1000)
+    queued, stalled = expected_loss(s, m, o), expected_loss(s, dataclasses.replace(m, local_tier=True), o)
+    assert stalled.overhead > queued.overhead + 15 / 1000 / 0.2
+
+
+def test_risk_states_what_the_choice_loses() -> None:
+    from diffckpt.tuning.risk import risk, say_risk
+
+    m = meas(local_tier=True)
+    e = choose(m)
+    r = risk(e, m)
+    assert r["since"] == "restorable" and 0 < r["steps"] <= r["worst_steps"]
+    assert r["worst_steps"] >= e.settings.every_n_steps and r["seconds"] <= r["worst_seconds"]
+    assert f"at most {r['worst_steps']} " in say_risk(r) and "journaled on this node" in say_risk(r)
+    assert risk(choose(meas()), meas())["since"] == "durable"
+
+
+def test_meter_measures_a_restorable_points_bytes_and_passes_the_tier_on() -> None:
+    meter = Meter(1 << 30, local_tier=True)
+    for _ in range(SKIPPED_STEPS + 3):
+        meter.add_step(0.1, 1e-3, 1_000_000)
+    meter.add_write(1 << 20, 0.01)
+    meter.add_base(10_000_000, 0.0)
+    for _ in range(3):  # every step restorable so far: against the step's own bytes
+        meter.add_encoded(1_030_000, True)
+    m = meter.snapshot()
+    assert m is not None and m.local_tier and math.isclose(m.state_bytes, 30_000)
+    for _ in range(20):
+        meter.add_encoded(1_010_000, False)
+    m = meter.snapshot()
+    assert m is not None and math.isclose(m.state_bytes, 20_000, rel_tol=1e-3)
+    assert Measurements.slowest([m, dataclasses.replace(m, local_tier=False)]).local_tier is False
