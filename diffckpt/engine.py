@@ -13,12 +13,10 @@ An adapter (Lightning, Accelerate, a plain loop under ``torch.distributed``) cal
 
 The engine decides which processes write (rank 0 under DDP, every rank its own stream under
 sharded training); every exchange between ranks goes through its
-:class:`~diffckpt.coordination.Coordination` (RNG, data positions and codec states gathered,
-tuning decisions and the step to restore sent); framework-specific state comes through a
+:class:`~diffckpt.coordination.Coordination`; framework-specific state comes through a
 :class:`FrameworkState`, asked only when a step is restorable. It holds :attr:`~CheckpointEngine.recorder`
 (the writing session), a ``Coordination`` and a :class:`~diffckpt.resumption.Resumption`; the
-recorder's single-writer calls (``start``, ``record_step``, ``write_base``, ``flush``, ``close``,
-``restore``) stay on the engine for a single-process loop.
+recorder's single-writer calls stay on the engine for a single-process loop.
 """
 
 from __future__ import annotations
@@ -290,8 +288,7 @@ class CheckpointEngine:
         spacing = rec.settings.every_n_steps
         tuning = self._coord.review(rec.tuning, step, self._sharded) if rec.review_due(step) else {}
         base = force_base or rec.wants_base(step)
-        # A new spacing of restorable points starts from one (every rank adopted the same), so
-        # no crash loses more than the spacing the tuner chose and stated.
+        # a new spacing of restorable points starts from one: no crash loses more than it states
         restorable = force_state or base or rec.settings.every_n_steps != spacing or rec.wants_state(step)
         with rec.measuring_state():
             ranks = self._coord.rank_states(source, self._sharded) if restorable else None
