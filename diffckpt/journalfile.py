@@ -191,7 +191,7 @@ def verified_records(journal: JournalFile) -> tuple[dict[str, Any], list[dict[st
     algorithm = CHECKSUMS[FORMAT_VERSION]
     good: list[dict[str, Any]] = []
     try:
-        fd = open_private(journal.spool)  # a regular file of this user, no link followed
+        fd = open_private(journal.spool, owner=False)  # a regular file, no link followed
     except OSError:
         return {}, good
     try:

@@ -232,12 +232,12 @@ def _write_segment(store: RunStore, gen: int, after: int, run: list[tuple[Journa
 
 @contextlib.contextmanager
 def _mapped(paths: set[str]) -> Iterator[dict[str, memoryview]]:
-    """Each spool of ``paths`` mapped read-only, as a memoryview (regular files of this user)."""
+    """Each spool of ``paths`` mapped read-only, as a memoryview (regular files, no link followed)."""
     maps: list[mmap.mmap] = []
     try:
         views: dict[str, memoryview] = {}
         for path in sorted(paths):
-            fd = open_private(path)
+            fd = open_private(path, owner=False)  # named by a journal of this user's own
             try:
                 maps.append(mmap.mmap(fd, 0, access=mmap.ACCESS_READ))
             finally:

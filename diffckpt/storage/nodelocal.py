@@ -85,9 +85,11 @@ def private_folder(path: str, create: bool = True) -> bool:
     return True
 
 
-def open_private(path: str, flags: int = os.O_RDONLY, mode: int = 0o600) -> int:
+def open_private(path: str, flags: int = os.O_RDONLY, mode: int = 0o600, owner: bool = True) -> int:
     """Open ``path`` without following a link and without blocking on a FIFO; a file that exists
-    must be a regular file of this user. ``flags`` may add ``O_CREAT | O_EXCL`` to create one.
+    must be a regular file, of this user unless ``owner`` is false (a spool a journal of the
+    user's own names: on a run root on NFS with root squashing, files are not the creator's).
+    ``flags`` may add ``O_CREAT | O_EXCL`` to create one (then it is this process's own).
 
     Raises:
         OSError: as ``os.open``; ``ELOOP`` for a link; ``EPERM`` for another user's file or one
@@ -97,7 +99,8 @@ def open_private(path: str, flags: int = os.O_RDONLY, mode: int = 0o600) -> int:
     fd = os.open(path, flags | extra, mode)
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or (hasattr(os, "geteuid") and st.st_uid != _uid()):
+        mine = not owner or flags & os.O_EXCL or not hasattr(os, "geteuid") or st.st_uid == _uid()
+        if not stat.S_ISREG(st.st_mode) or not mine:
             raise OSError(errno.EPERM, "not a regular file of this user", path)
         if getattr(os, "O_NONBLOCK", 0):  # non-blocking only guarded the open
             os.set_blocking(fd, True)
