@@ -8,6 +8,7 @@ it with ``chown``: CI runs as root), a full folder (a tmpfs of a few pages, moun
 S3 server (moto). A test that needs root skips without it.
 """
 
+# ruff: noqa: F811  (the fixtures imported from test_local_tier are the tests' parameters)
 from __future__ import annotations
 
 import contextlib
@@ -28,18 +29,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import xxhash
 from engine_runs import OPTIONS, FaultyStorage, Truth, assert_state, make, snapshot, train_steps
-from test_local_tier import (
+from test_local_tier import (  # the fixtures too: one killed training process per module
     DURABLE,
     STEPS,
     Crash,
+    crash,  # noqa: F401
     frames,
     journal_files,
     kill,
+    killed,  # noqa: F401
+    one_thread,  # noqa: F401
     segments,
     start_training,
+    truth,  # noqa: F401
 )
 from test_local_tier import restore as restore_with
 
@@ -53,49 +57,6 @@ OTHER = 65534  # the second user (nobody)
 
 
 # ------------------------------------------------------------------------------------ fixtures
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def truth() -> Truth:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        from engine_runs import optimizer_step
-
-        module, optimizers = make()
-        out = {0: snapshot(module, optimizers, 0)}
-        for step in range(1, STEPS + 10):
-            optimizer_step(module, optimizers, step)
-            out[step] = snapshot(module, optimizers, step)
-        return out
-    finally:
-        torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def killed(tmp_path_factory: pytest.TempPathFactory) -> Crash:
-    """Base 0, steps 1..5 in the run root, 6..12 only in the journal, the process killed."""
-    base = tmp_path_factory.mktemp("killed")
-    crash = Crash(base / "run", base / "local", base / "pristine")
-    kill(start_training(crash.root, crash.local))
-    shutil.copytree(crash.root, crash.pristine / "run")
-    shutil.copytree(crash.local, crash.pristine / "local")
-    return crash
-
-
-@pytest.fixture
-def crash(killed: Crash) -> Crash:
-    killed.put_back()
-    assert segments(killed.root) == [(0, DURABLE, 1)]
-    return killed
-
-
 def _root_only() -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root (CI runs as root): a second user, or a tmpfs mount")
@@ -448,11 +409,11 @@ def test_8_an_object_store_with_a_full_temp_folder_spools_in_memory(
 
 
 class DocumentedSpoolStorage:
-    """A caller's storage with the documented ``spool(hint)`` (no ``folder``), over local disk."""
+    """A caller's storage with the documented ``spool(hint)`` (no ``folder``), over local disk;
+    the other methods are the local storage's."""
 
     def __init__(self, root: str) -> None:
         self.inner = FsspecStorage(root)
-        self.url = self.inner.url
         self.spools: list[str] = []
 
     def spool(self, hint: str) -> Any:
@@ -460,23 +421,8 @@ class DocumentedSpoolStorage:
         self.spools.append(spool.path)
         return spool
 
-    def write(self, path: str, data: Any) -> None:
-        self.inner.write(path, data)
-
-    def create(self, path: str, data: bytes) -> bool:
-        return self.inner.create(path, data)
-
-    def read(self, path: str) -> bytes:
-        return self.inner.read(path)
-
-    def list(self, prefix: str) -> dict[str, int]:
-        return self.inner.list(prefix)
-
-    def delete(self, path: str) -> None:
-        self.inner.delete(path)
-
-    def exists(self, path: str) -> bool:
-        return self.inner.exists(path)
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
 
 def test_9_a_storage_with_the_documented_spool_method_works_with_the_defaults(tmp_path: Path) -> None:
