@@ -40,14 +40,14 @@ WAITING = 2  # finished segments waiting for the one being committed, before the
 class PendingBase:
     """A base packed by the writer, waiting for its turn in the commit thread: ``parts`` are
     views of the host copies in ``params``' tree, so they stay in memory until written.
-    ``release`` lets them go (once: written, failed, or given up) and ``started`` is when the
-    writer took the base (its ``write_seconds`` count from there)."""
+    ``release`` lets them go (once: written, failed, or given up); ``pack_s`` is the writer's time
+    on it, counted in ``write_seconds`` with the commit's, as a segment's encoding is."""
 
     name: BaseName
     parts: list[Buffer]
     params: list[torch.Tensor]
     size: int
-    started: float
+    pack_s: float
     release: Callable[[], None]
     _released: bool = field(default=False, repr=False)
 
@@ -198,7 +198,7 @@ class Committer:
     def _commit_base(self, base: PendingBase) -> None:
         """``state.safetensors`` first and ``COMMIT`` last (readers ignore a base without it);
         the fingerprint and the file's hash are computed here, off the writer thread."""
-        name, size = base.name, base.size
+        name, size, start = base.name, base.size, time.monotonic()
         try:
             self.write(name.state_path, base.parts)
             self.write(name.commit_path, base_commit(name.step, self.gen, fingerprint(base.params), base.parts))
@@ -210,7 +210,7 @@ class Committer:
             return
         finally:
             base.let_go()
-        self.stats.write_seconds += time.monotonic() - base.started
+        self.stats.write_seconds += time.monotonic() - start + base.pack_s
         self.stats.bases += 1
         self.stats.base_bytes += size
         self.durable_step = name.step if self.durable_step is None else max(self.durable_step, name.step)

@@ -371,14 +371,15 @@ class BackgroundWriter:
             (tree, params), staged = self.stage.to_host((tree, params), [ready] if ready is not None else [])
             parts = pack_parts(tree)
             size = sum(len(p) for p in parts)
+            pack_s = time.monotonic() - start
             if self.meter is not None:
-                self.meter.add_base(size, time.monotonic() - start)
+                self.meter.add_base(size, pack_s)
 
             def release() -> None:  # on the commit thread, once written
                 self.stage.release(staged)
                 self._handoff.done(nbytes)
 
-            base = PendingBase(BaseName(step, self.gen), parts, params, size, start, release)
+            base = PendingBase(BaseName(step, self.gen), parts, params, size, pack_s, release)
             self._committer.start(base, base.name, 0, 0)
         except BaseException:
             if base is None:
