@@ -214,4 +214,3 @@ class Committer:
         self.stats.bases += 1
         self.stats.base_bytes += size
         self.durable_step = name.step if self.durable_step is None else max(self.durable_step, name.step)
-
