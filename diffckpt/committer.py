@@ -1,9 +1,11 @@
 """How the background writer puts objects in the run root: each write fenced against newer
-sessions and retried through outages, and segments committed in order, one at a time, in a
-thread of their own, so the writer encodes the next records while an upload runs.
+sessions and retried through outages, and segments and bases committed in order, one at a time,
+in a thread of their own, so the writer encodes the next records while an upload runs.
 
 Finished segments wait their turn as spools on local disk (journaled, so a crash loses none of
-them on this node); at most ``WAITING`` wait, then the writer waits too.
+them on this node); at most ``WAITING`` segments or bases wait, then the writer waits too. A base
+waits in memory (:class:`PendingBase`, its bytes counted against ``max_pending_bytes`` until
+written): the segments after it, which continue from its step, commit only once it is durable.
 """
 
 from __future__ import annotations
@@ -13,10 +15,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from .checksums import Buffer, fingerprint
 from .errors import ConcurrentWriterError, StorageUnavailableError
-from .format import SegmentName
+from .format import BaseName, SegmentName, base_commit
 from .openseg import OpenSegment
 from .outage import Outage
 from .runstore import RunStore
@@ -24,10 +30,36 @@ from .storage import Storage
 from .storage.protocol import data_size
 from .tuning.meter import Meter
 
-__all__ = ["Committer"]
+__all__ = ["Committer", "PendingBase"]
 
 log = logging.getLogger("diffckpt")
 WAITING = 2  # finished segments waiting for the one being committed, before the writer waits
+
+
+@dataclass
+class PendingBase:
+    """A base packed by the writer, waiting for its turn in the commit thread: ``parts`` are
+    views of the host copies in ``params``' tree, so they stay in memory until written.
+    ``release`` lets them go (once: written, failed, or given up); ``pack_s`` is the writer's time
+    on it, counted in ``write_seconds`` with the commit's, as a segment's encoding is."""
+
+    name: BaseName
+    parts: list[Buffer]
+    params: list[torch.Tensor]
+    size: int
+    pack_s: float
+    release: Callable[[], None]
+    _released: bool = field(default=False, repr=False)
+
+    def keep(self) -> None:
+        """Given up (the writer was abandoned): nothing of a base stays; its memory goes."""
+        self.let_go()
+
+    def let_go(self) -> None:
+        if not self._released:
+            self._released = True
+            self.parts, self.params = [], []
+            self.release()
 
 
 class Committer:
@@ -45,7 +77,8 @@ class Committer:
         self.durable_step: int | None = None
         self.thread: threading.Thread | None = None  # the commit thread, while it has segments
         self.error: BaseException | None = None  # the commit thread's, once it failed
-        self._queue: collections.deque[tuple[OpenSegment, SegmentName, int, int]] = collections.deque()
+        self._queue: collections.deque[tuple[OpenSegment | PendingBase, SegmentName | BaseName, int, int]] = \
+            collections.deque()
         self._lock = threading.Lock()
         # Whether the commit thread takes the queue on: set and cleared under the lock, so a
         # segment handed over just as the thread ends is never left without one.
@@ -83,7 +116,7 @@ class Committer:
                 f"not interleave. Its steps up to {self.durable_step} stay restorable. Stop this job, or give "
                 "each job its own dirpath")
 
-    def start(self, segment: OpenSegment, name: SegmentName, records: int, raw: int) -> None:
+    def start(self, segment: OpenSegment | PendingBase, name: SegmentName | BaseName, records: int, raw: int) -> None:
         """Commit a finished segment after those handed over before it, in the commit thread;
         wait first while ``WAITING`` segments already wait. A wait that ends in an error (the writer
         abandoned, a commit failed) keeps the segment's spool and journal for the local tier."""
@@ -129,7 +162,12 @@ class Committer:
                     self._running = False
                     return
                 item = self._queue[0]
-            self._commit_segment(*item)
+            segment, name, records, raw = item
+            if isinstance(segment, PendingBase):
+                self._commit_base(segment)
+            else:
+                assert isinstance(name, SegmentName)
+                self._commit_segment(segment, name, records, raw)
             with self._lock:
                 if self._queue and self._queue[0] is item:  # keep_waiting may have taken it
                     self._queue.popleft()
@@ -161,3 +199,23 @@ class Committer:
         self.stats.segment_bytes += size
         self.stats.raw_record_bytes += raw
         self.durable_step = name.last
+
+    def _commit_base(self, base: PendingBase) -> None:
+        """``state.safetensors`` first and ``COMMIT`` last (readers ignore a base without it);
+        the fingerprint and the file's hash are computed here, off the writer thread."""
+        name, size, start = base.name, base.size, time.monotonic()
+        try:
+            self.write(name.state_path, base.parts)
+            self.write(name.commit_path, base_commit(name.step, self.gen, fingerprint(base.params), base.parts))
+        except BaseException as exc:  # as a segment's: no later segment commits (it would continue nothing)
+            self.error = exc
+            if not self.abandon.is_set():
+                log.error("diffckpt: background write failed: %s", exc)
+            self.fail(exc)
+            return
+        finally:
+            base.let_go()
+        self.stats.write_seconds += time.monotonic() - start + base.pack_s
+        self.stats.bases += 1
+        self.stats.base_bytes += size
+        self.durable_step = name.step if self.durable_step is None else max(self.durable_step, name.step)

@@ -18,6 +18,7 @@ code path, with this module the only device-specific part.
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
 from typing import Any
 
@@ -43,7 +44,8 @@ def on_device(tree: Any) -> bool:
 
 class PinnedPool:
     """Host buffers for device-to-host copies, reused by shape and dtype, at most ``capacity``
-    bytes of them pinned (``pin``); past that, ordinary memory that is not kept."""
+    bytes of them pinned (``pin``); past that, ordinary memory that is not kept. A base's
+    buffers come back from the commit thread, the records' from the writer thread: hence the lock."""
 
     def __init__(self, capacity: int, pin: bool) -> None:
         self.capacity = capacity
@@ -51,27 +53,30 @@ class PinnedPool:
         self.held = 0  # bytes of buffers the pool owns (lent or free)
         self._free: dict[tuple[torch.dtype, tuple[int, ...]], list[torch.Tensor]] = defaultdict(list)
         self._own: set[int] = set()  # ids of the pool's buffers while lent
+        self._lock = threading.Lock()
 
     def take(self, like: torch.Tensor) -> torch.Tensor:
         """A host buffer of ``like``'s shape and dtype."""
         key = (like.dtype, tuple(like.shape))
-        if self._free[key]:
-            buf = self._free[key].pop()
-        else:
-            nbytes = like.numel() * like.element_size()
-            if self.held + nbytes > self.capacity:
-                return torch.empty(like.shape, dtype=like.dtype)  # past the bound: not pooled
-            buf = torch.empty(like.shape, dtype=like.dtype, pin_memory=self.pin)
-            self.held += nbytes
-        self._own.add(id(buf))
+        with self._lock:
+            if self._free[key]:
+                buf = self._free[key].pop()
+            else:
+                nbytes = like.numel() * like.element_size()
+                if self.held + nbytes > self.capacity:
+                    return torch.empty(like.shape, dtype=like.dtype)  # past the bound: not pooled
+                buf = torch.empty(like.shape, dtype=like.dtype, pin_memory=self.pin)
+                self.held += nbytes
+            self._own.add(id(buf))
         return buf
 
     def give_back(self, buffers: list[torch.Tensor]) -> None:
         """Return buffers once what was copied into them is written."""
-        for buf in buffers:
-            if id(buf) in self._own:
-                self._own.discard(id(buf))
-                self._free[(buf.dtype, tuple(buf.shape))].append(buf)
+        with self._lock:
+            for buf in buffers:
+                if id(buf) in self._own:
+                    self._own.discard(id(buf))
+                    self._free[(buf.dtype, tuple(buf.shape))].append(buf)
 
 
 class HostStage:

@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 from .checksums import fingerprint
-from .committer import Committer
+from .committer import Committer, PendingBase
 from .errors import DiffCkptError, StorageUnavailableError
-from .format import BaseName, base_commit
+from .format import BaseName
 from .handoff import HandOff
 from .journal import place_for, remove_folder, resolve_local_dir
 from .journalfile import sweep_dead_once
@@ -290,9 +290,11 @@ class BackgroundWriter:
     def _run(self) -> None:
         while (taken := self._handoff.take()) is not None:
             kind, item, nbytes = taken
+            passed = False
             try:
                 if self._error is None:
-                    self._handle(kind, item)
+                    passed = kind == "base"  # its bytes count until written: _queue_base lets them go
+                    self._handle(kind, item, nbytes)
             except BaseException as exc:  # kept and re-raised on the training thread
                 if exc is not self._error:  # a commit's error is logged where it happened
                     log.error("diffckpt: background write failed: %s", exc)
@@ -301,15 +303,14 @@ class BackgroundWriter:
                 if kind == "flush":
                     item.set()
                 item = taken = None  # a record's memory goes now that its bytes are written
-                self._handoff.done(nbytes)
+                if not passed:
+                    self._handoff.done(nbytes)
 
-    def _handle(self, kind: str, item: Any) -> None:
+    def _handle(self, kind: str, item: Any, nbytes: int) -> None:
         if kind == "record":
             self._add_record(*item)
         elif kind == "base":
-            self._write_segment()
-            self._drop_superseded(item[0])
-            self._write_base(*item)
+            self._queue_base(*item, nbytes=nbytes)
         elif kind == "call":
             self._write_segment()
             item()
@@ -361,9 +362,9 @@ class BackgroundWriter:
 
         The commit (a rename on local disk, an upload on object stores) runs in a thread of its
         own, so that the writer encodes the next records meanwhile and training does not wait for
-        an upload while storage keeps up. One commit at a time: segments become durable in order,
-        and at most two spools exist. ``wait``: return only once it is committed (a flush, a base,
-        a call); a segment cut at ``write_batch`` does not wait."""
+        an upload while storage keeps up. One commit at a time: segments (and bases) become durable
+        in order. ``wait``: return only once everything handed over is committed (a flush, a call);
+        a segment cut at ``write_batch`` or before a base does not wait."""
         segment = self._open
         cut = segment.cut() if segment is not None else 0
         if segment is not None and cut:
@@ -383,20 +384,35 @@ class BackgroundWriter:
         if self._open is not None:
             self._open = self._open.drop_through(step)
 
-    def _write_base(self, step: int, tree: dict[str, Any], params: list[torch.Tensor], ready: Any) -> None:
-        start = time.monotonic()
-        (tree, params), staged = self.stage.to_host((tree, params), [ready] if ready is not None else [])
-        name = BaseName(step, self.gen)
-        parts = pack_parts(tree)
-        size = sum(len(p) for p in parts)
-        if self.meter is not None:
-            self.meter.add_base(size, time.monotonic() - start)
-        self._committer.write(name.state_path, parts)
-        self._committer.write(name.commit_path, base_commit(step, self.gen, fingerprint(params), parts))
-        self.stage.release(staged)
-        self.stats.write_seconds += time.monotonic() - start
-        self.stats.bases += 1
-        self.stats.base_bytes += size
+    def _queue_base(self, step: int, tree: dict[str, Any], params: list[torch.Tensor], ready: Any, *,
+                    nbytes: int) -> None:
+        """Cut the open segment, pack the base (views of its host copies, no copy) and hand both to
+        the commit thread, in order, without waiting for their uploads: training waits only for the
+        records after the base to be journaled, which continue from its step. The base's ``nbytes``
+        count against ``max_pending_bytes`` until it is written or given up, whatever happens here."""
+        base: PendingBase | None = None
+        try:
+            self._write_segment(wait=False)
+            self._drop_superseded(step)
+            start = time.monotonic()
+            (tree, params), staged = self.stage.to_host((tree, params), [ready] if ready is not None else [])
+            parts = pack_parts(tree)
+            size = sum(len(p) for p in parts)
+            pack_s = time.monotonic() - start
+            if self.meter is not None:
+                self.meter.add_base(size, pack_s)
+
+            def release() -> None:  # on the commit thread, once written
+                self.stage.release(staged)
+                self._handoff.done(nbytes)
+
+            base = PendingBase(BaseName(step, self.gen), parts, params, size, pack_s, release)
+            self._committer.start(base, base.name, 0, 0)
+        except BaseException:
+            if base is None:
+                self._handoff.done(nbytes)
+            else:
+                base.let_go()
+            raise
         self._after = step
         self._last_buffers = None
-        self.durable_step = step if self.durable_step is None else max(self.durable_step, step)

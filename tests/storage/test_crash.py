@@ -94,21 +94,23 @@ def test_chosen_kill_local_no_journal(tmp_path: Path, truth: str) -> None:
 
 
 def test_chosen_kill_local_journal_takes_back_the_queued_segments(tmp_path: Path, truth: str) -> None:
-    # The segment after step 24 never written: the writer queues segments 24-28 and 28-30 behind
-    # it, then waits at base 30, so training stops after step 31 (record_step(32) waits for record
-    # 31). The journals hold steps 25..30; a resume commits them and restores step 30.
-    kill = ("pause-before", r"diffs/000000000024-", "STEP 31")
+    # The segment after step 24 never written: the writer queues segment 28-30 and base 30 behind
+    # it (two waiting), journals steps 31..34 and waits at the cut of segment 30-34, so training
+    # stops after step 35 (record_step(36) waits for record 35). The journals hold steps 25..34,
+    # which continue the run root's step 24 without base 30; a resume commits them and restores 34.
+    kill = ("pause-before", r"diffs/000000000024-", "STEP 35")
     outcome = run_trial(_trial("local", kill, tmp_path, None, None, None), truth)
-    assert outcome.last_step == 31 and outcome.restored == 30, outcome
+    assert outcome.last_step == 35 and outcome.restored == 34, outcome
 
 
 def test_chosen_kill_local_base_state_without_commit(tmp_path: Path, truth: str) -> None:
-    # a base's state written, its COMMIT not: the base is ignored, and step 20 comes from base 10
-    # and its segments (written before the base); the writer waits there, so nothing after step
-    # 20 is journaled
-    kill = ("pause-after", r"bases/000000000020\.g\d+/state", "STEP 21")
+    # a base's state written, its COMMIT not: the base is ignored. The segments after it wait
+    # (20-24 and 24-28: two) and the writer waits at the cut of 28-30 before base 30, so training
+    # stops after step 31; a resume takes back steps 21..30 from the journals, replayed from base
+    # 10 through the segments written before base 20.
+    kill = ("pause-after", r"bases/000000000020\.g\d+/state", "STEP 31")
     outcome = run_trial(_trial("local", kill, tmp_path, None, None, None), truth)
-    assert outcome.restored == 20, outcome
+    assert outcome.last_step == 31 and outcome.restored == 30, outcome
 
 
 @pytest.mark.parametrize("kill", CHOSEN["s3"], ids=lambda k: f"{k[0]}-{k[1].split('/')[1]}")
