@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from .checksums import fingerprint
 from .committer import Committer, PendingBase
 from .errors import DiffCkptError, StorageUnavailableError
 from .format import BaseName
@@ -34,8 +33,8 @@ from .leases import Lease
 from .openseg import OpenSegment
 from .options import CheckpointOptions
 from .outage import Outage
+from .recordprep import prepare_record
 from .runstore import RunStore
-from .sharding import narrowed
 from .staging import HostStage
 from .storage import Storage
 from .storage.retry import RetryingStorage
@@ -91,10 +90,7 @@ class BackgroundWriter:
         # is fenced by the run root's session files, whatever layout the newer job has.
         fence = storage if fence is None else fence
         fence = fence.with_cancel(self._abandon) if isinstance(fence, RetryingStorage) else fence
-        # bfloat16-valued float32 gradients (bf16 autocast, bfloat16 reduction) stored in 16 bits:
-        # exact, half the bytes, and far cheaper than zstd finding the zero halves (replay casts
-        # every gradient to its parameter's dtype, format.md section 6)
-        self.narrow_grads = narrow_grads
+        self.narrow_grads = narrow_grads  # gradients stored in 16 bits where exact (recordprep.py)
         # The node-local tier: each open segment's records journaled beside its spool, and at most
         # one record handed over and not journaled, so a process crash loses at most that step.
         self.journal = place_for(options.local_dir, store.storage.url)
@@ -325,27 +321,13 @@ class BackgroundWriter:
             lease.wait(self._abandon)
             events += lease.ready
         record, staged = self.stage.to_host(record, events)
-        buffers = record.get("buffers") or {}
-        last = self._last_buffers
-        if last is not None:
-            record["buffers"] = {k: v for k, v in buffers.items()
-                                 if k not in last or not torch.equal(last[k], v)}
-        # Buffers staged from the GPU sit in pooled host buffers that the next record reuses once
-        # released below: kept as they are, the next comparison would see its own values.
-        self._last_buffers = {**(last or {}), **({k: v.clone() for k, v in buffers.items()} if staged else buffers)}
-        params = record.pop("fingerprint_params", None)
-        if params is not None:
-            record["fingerprint"] = fingerprint(params)
-        if self.narrow_grads:  # here, not on the training thread: it reads every gradient byte
-            for event in record["events"]:
-                if "grads" in event:
-                    event["grads"] = [[None if g is None else narrowed(g) for g in group] for group in event["grads"]]
+        self._last_buffers = prepare_record(record, self._last_buffers, bool(staged), self.narrow_grads)
         try:
             if self._open is None:
                 self._open = OpenSegment(self.storage, self.gen, self._after, self.options.compression,
                                          self.options.compression_level, journal=self.journal, lost=self._tier_lost)
             self._open.add(record)  # a full disk: a StorageError naming the spool's folder
-            if self.meter is not None and "fingerprint_params" not in record:  # what a state adds
+            if self.meter is not None:  # what a state adds
                 self.meter.add_encoded(self._open.encoder.entries[-1]["raw_length"], record.get("state") is not None)
             self.journaled_step = record["step"] if self.journal is not None else None
             if self.journaled_step is not None and record.get("state") is not None:
