@@ -30,7 +30,8 @@ from engine_runs import (
 )
 
 from diffckpt import CheckpointEngine, CheckpointOptions, DiffCkptError, FsspecStorage
-from diffckpt.journal import journals, place_for
+from diffckpt.journal import place_for
+from diffckpt.journalfile import journals
 
 BASE = 5  # OPTIONS' base_every_n_steps: the base whose upload is held
 AFTER = 9  # training runs to here while it is held (a segment BASE..8 is cut on the way)
