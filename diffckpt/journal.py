@@ -21,8 +21,9 @@ its lock is held (a dead writer's lock is gone, whatever its pid now names), and
 the lock before it merges or removes one, so two processes never take the same journal.
 
 Frame: ``b"DJ"`` | u32 length | JSON | XXH3-128 of the JSON (16 bytes). The first frame is the
-header (``url``, ``gen``, ``after``, ``spool``, ``host``, ``pid``, and the writer's ``boot`` id
-and process ``start`` time where the system tells them); each next one an entry.
+header (``url``, ``gen``, ``after``, ``spool``, ``host``, ``pid``, the ``session`` file's id, and
+the writer's ``boot`` id and process ``start`` time where the system tells them); each next one an
+entry.
 """
 
 from __future__ import annotations
@@ -64,11 +65,13 @@ _FORMAT = 1
 
 @dataclass(frozen=True)
 class JournalPlace:
-    """Where the journals of one stream go: ``folder`` (:func:`journal_folder`), and the stream's
-    ``url`` their headers name."""
+    """Where the journals of one stream go: ``folder`` (:func:`journal_folder`), the stream's
+    ``url`` their headers name, and the ``session`` id of the session file they continue (a run
+    root made anew at the same URL has sessions of the same numbers, not of the same ids)."""
 
     folder: str
     url: str
+    session: str | None = None
 
 
 def default_local_dir() -> str:
@@ -81,12 +84,12 @@ def resolve_local_dir(local_dir: str) -> str:
     return default_local_dir() if local_dir == "auto" else local_dir
 
 
-def place_for(local_dir: str | None, url: str) -> JournalPlace | None:
+def place_for(local_dir: str | None, url: str, session: str | None = None) -> JournalPlace | None:
     """Where the journals of the stream at ``url`` go with ``CheckpointOptions.local_dir``
-    (``None``: no journal)."""
+    (``None``: no journal); ``session``: the id of the writing session's file."""
     if local_dir is None:
         return None
-    return JournalPlace(journal_folder(resolve_local_dir(local_dir), url), url)
+    return JournalPlace(journal_folder(resolve_local_dir(local_dir), url), url, session)
 
 
 def journal_folder(local_dir: str, url: str) -> str:
@@ -131,10 +134,11 @@ class JournalWriter:
             is not this user's).
     """
 
-    def __init__(self, folder: str, url: str, gen: int, after: int, spool: str) -> None:
+    def __init__(self, folder: str, url: str, gen: int, after: int, spool: str, session: str | None = None) -> None:
         self.path = os.path.join(folder, f"g{gen:06d}-{os.getpid()}-{uuid.uuid4().hex[:8]}.journal")
         header = {"journal": _FORMAT, "url": url, "gen": gen, "after": after, "spool": os.path.abspath(spool),
-                  "host": socket.gethostname(), "pid": os.getpid(), **identity()}
+                  "host": socket.gethostname(), "pid": os.getpid(), **identity(),
+                  **({"session": session} if session else {})}
         self._fd: int | None = None
         try:
             make_folder(folder)

@@ -43,6 +43,7 @@ class JournalFile:
     host: str
     pid: int
     ident: dict[str, str] = field(default_factory=dict)
+    session: str | None = None  # the id of the session file it continues (None: an older writer's)
     entries: list[dict[str, Any]] = field(default_factory=list)
     torn: bool = False  # whether a damaged or partial frame ended it early
     busy: bool = False
@@ -143,7 +144,8 @@ def read_journal(path: str, claim: bool = False) -> JournalFile | None:
         try:
             ident: dict[str, str] = {k: str(header[k]) for k in ("boot", "start") if k in header}
             journal = JournalFile(path, str(header["url"]), int(header["gen"]), int(header["after"]),
-                                  str(header["spool"]), str(header["host"]), int(header["pid"]), ident)
+                                  str(header["spool"]), str(header["host"]), int(header["pid"]), ident,
+                                  str(header["session"]) if "session" in header else None)
         except (TypeError, KeyError, ValueError):
             return None
         for frame in frames:

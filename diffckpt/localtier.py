@@ -16,18 +16,19 @@ was and stops the resume with an error: a resume that went on would supersede th
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import mmap
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import DiffCkptError, StorageError
+from .errors import CheckpointNotFoundError, DiffCkptError, StorageError
 from .format import CHECKSUMS, FORMAT_VERSION, SegmentName
 from .journal import place_for, remove_folder
 from .journalfile import JournalFile, journals, sweep, verified_records
-from .runstore import RunStore
+from .runstore import RunStore, session_path
 from .segment import SegmentEncoder
 from .shardedrun import ShardedRun
 from .storage import Storage
@@ -100,6 +101,9 @@ def read_local_tier(store: RunStore, local_dir: str | None, fence: Storage | Non
         if journal.gen not in superseded:
             superseded[journal.gen] = moved_on(store, journal.gen, fence)
         (tier.stale if superseded[journal.gen] else mine).append(journal)
+    ours = {g: _same_run(store, g) for g in {j.gen for j in mine}}  # before the newest is chosen
+    tier.stale += [j for j in mine if not ours[j.gen](j)]
+    mine = [j for j in mine if ours[j.gen](j)]
     if not mine:
         return tier
     gen = max(j.gen for j in mine)
@@ -138,6 +142,21 @@ def read_local_tier(store: RunStore, local_dir: str | None, fence: Storage | Non
         tier.gen, tier.after = gen, durable
     tier.used = mine
     return tier
+
+
+def _same_run(store: RunStore, gen: int) -> Callable[[JournalFile], bool]:
+    """Which journals of session ``gen`` belong to the run root's session ``gen``: none where the
+    run root has no such session (a run made anew at the URL, not that far yet), and where its
+    session file has an id, those that name it (a journal of an older run that had the same URL
+    and session number is another run's: its records would poison the replay)."""
+    try:
+        meta = json.loads(store.storage.read(session_path(gen)))
+    except CheckpointNotFoundError:
+        return lambda journal: False
+    except (ValueError, RecursionError, DiffCkptError, OSError):  # unreadable: it cannot tell
+        return lambda journal: True
+    sid = meta.get("id") if isinstance(meta, dict) else None
+    return lambda journal: sid is None or journal.session is None or journal.session == sid
 
 
 def moved_on(store: RunStore, gen: int, fence: Storage | None = None) -> bool:

@@ -59,7 +59,8 @@ class OpenSegment:
         self.spool: Spool = self._open_spool(SegmentName(after, after, gen).path.replace(".seg", ".open"))
         if self.place is not None:
             try:
-                self.journal = JournalWriter(self.place.folder, self.place.url, gen, after, self.spool.path)
+                self.journal = JournalWriter(self.place.folder, self.place.url, gen, after, self.spool.path,
+                                             self.place.session)
                 self.journaling = True
             except StorageError as exc:
                 self._tier_lost(exc)

@@ -124,7 +124,7 @@ class Recorder:
         gen = self.kept.gen = self.stream.start_session(body, gen)
         self.module = module
         self.writer = BackgroundWriter(self.stream, gen, self.options, after=step,
-                                       write_batch=self.tuning.settings.write_batch, fence=self.storage)
+                                       write_batch=self.tuning.settings.write_batch, fence=self.storage, session=body["id"])
         self.writer.before_wait = self.capture.end_leases
         self.tuning.start(step, self.writer, self._base_bytes_now)
         self._prev_step = self._last_base = step

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import uuid
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,10 +32,10 @@ __all__ = ["open_sharded_session", "session_body", "training_meta"]
 
 def session_body(options: CheckpointOptions, step: int, meta: dict[str, Any]) -> dict[str, Any]:
     """What a session file records: the options, the writing host and process, the step it
-    continues from, and ``meta`` (the model's parameters and optimizers, a sharded session's world
+    continues from, an ``id`` of its own (the node-local tier's journals name it), and ``meta`` (the model's parameters and optimizers, a sharded session's world
     size, the framework...)."""
     return {"options": dataclasses.asdict(options), "host": socket.gethostname(), "pid": os.getpid(),
-            "resumed_from": step, **meta}
+            "resumed_from": step, "id": uuid.uuid4().hex, **meta}
 
 
 def training_meta(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],

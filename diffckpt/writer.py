@@ -68,7 +68,7 @@ class BackgroundWriter:
 
     def __init__(self, store: RunStore, gen: int, options: CheckpointOptions, after: int,
                  meter: Meter | None = None, write_batch: int | None = None, fence: Storage | None = None,
-                 narrow_grads: bool = True) -> None:
+                 narrow_grads: bool = True, session: str | None = None) -> None:
         self.store = store
         self.gen = gen
         self.options = options
@@ -93,7 +93,7 @@ class BackgroundWriter:
         self.narrow_grads = narrow_grads  # gradients stored in 16 bits where exact (recordprep.py)
         # The node-local tier: each open segment's records journaled beside its spool, and at most
         # one record handed over and not journaled, so a process crash loses at most that step.
-        self.journal = place_for(options.local_dir, store.storage.url)
+        self.journal = place_for(options.local_dir, store.storage.url, session)
         if options.local_dir is not None:  # what dead processes left on this node, once a process
             sweep_dead_once(resolve_local_dir(options.local_dir))
         self.journaled_step: int | None = None  # the newest step in the local tier

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import xxhash
 from engine_runs import OPTIONS, FaultyStorage, Truth, assert_state, make, snapshot, train_steps
 from test_local_tier import (  # the fixtures too: one killed training process per module
@@ -521,6 +522,28 @@ def test_11_a_resume_deletes_no_spool_outside_the_places_of_its_own(crash: Crash
     rewrite_header(stale, gen=0, spool=str(victim))  # a session superseded long ago: stale, removed
     assert restore_with(crash.root, crash.local, truth) == STEPS
     assert not stale.exists() and victim.read_bytes() == b"x" * 64
+
+
+def test_11_a_journal_of_an_older_run_at_the_same_url_poisons_nothing(crash: Crash) -> None:
+    """A run made anew at the same URL (``rm -rf`` and train again) has a session 1 too, and its
+    chain can reach the step an old journal continues: that journal's records, whose checksums
+    pass, are another run's. The session file's id tells them apart."""
+    old, spool = crash.journal, crash.spool
+    shutil.rmtree(crash.root)
+    module, optimizers = make()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(1.0)  # another run: other weights, the same URL
+    engine = CheckpointEngine(crash.root, CheckpointOptions(**{**OPTIONS, "local_dir": str(crash.local)}))
+    engine.start(module, optimizers, 0)
+    mine = {0: snapshot(module, optimizers, 0)}
+    engine.write_base(0, module.state_dict(), [o.state_dict() for o in optimizers], {"x": 0})
+    train_steps(engine, module, optimizers, 1, DURABLE, mine)
+    assert engine.close() == DURABLE
+    # the old spool back (on an object store it lives beside the journal, not in the run root)
+    shutil.copy(crash.pristine / spool.relative_to(crash.root.parent), spool)
+    assert _restores(str(crash.root), mine, str(crash.local)) == DURABLE  # nothing of the old run
+    assert not old.exists()  # stale: removed
 
 
 def test_11_merge_local_tier_reads_nothing_from_a_folder_open_to_others(crash: Crash) -> None:
