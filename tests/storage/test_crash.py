@@ -2,7 +2,8 @@
 S3 server: every trial restores the newest durable step bit-exactly (see ``crash_trials``), and
 with the node-local tier on (a journal folder of the trial's own) loses at most one step.
 
-CI runs the bounded set below (20 trials); ``make soak`` runs ``test_crash_soak`` (100 trials
+CI runs the bounded set below (16 trials); ``make soak`` adds four random kills without the journal
+and runs ``test_crash_soak`` (100 trials
 with the journal on, ``write_batch=16``: random instants on both backends and mid-upload through
 the fault proxy) and prints the tally per phase at the kill and of the steps lost.
 """
@@ -51,13 +52,17 @@ def _trial(backend: str, kill: tuple, tmp_path: Path, s3: S3Target | None, proxy
                  **settings)
 
 
-# Without the journal (local_dir=None): a crash loses what no segment committed yet.
-@pytest.mark.parametrize("seed", range(4))
+# Without the journal (local_dir=None): a crash loses what no segment committed yet. Two seeds
+# each in `make test`, the other two in `make soak` (they paid for the local tier's corner tests).
+_SOAKED = pytest.mark.slow
+
+
+@pytest.mark.parametrize("seed", [0, 1, pytest.param(2, marks=_SOAKED), pytest.param(3, marks=_SOAKED)])
 def test_random_kill_local(seed: int, tmp_path: Path, truth: str) -> None:
     run_trial(_trial("local", ("random", seed), tmp_path, None, None, None, journal=False), truth)
 
 
-@pytest.mark.parametrize("seed", range(100, 104))
+@pytest.mark.parametrize("seed", [100, 101, pytest.param(102, marks=_SOAKED), pytest.param(103, marks=_SOAKED)])
 def test_random_kill_s3(seed: int, tmp_path: Path, truth: str, s3_bucket: S3Target) -> None:
     run_trial(_trial("s3", ("random", seed), tmp_path, s3_bucket, None, None, journal=False), truth)
 
