@@ -2,10 +2,10 @@
 S3 server: every trial restores the newest durable step bit-exactly (see ``crash_trials``), and
 with the node-local tier on (a journal folder of the trial's own) loses at most one step.
 
-CI runs the bounded set below (16 trials); ``make soak`` adds four random kills without the journal
-and runs ``test_crash_soak`` (100 trials
-with the journal on, ``write_batch=16``: random instants on both backends and mid-upload through
-the fault proxy) and prints the tally per phase at the kill and of the steps lost.
+CI runs the bounded set below (16 trials); ``make soak`` adds four random kills without the
+journal and runs ``test_crash_soak`` (100 trials with the journal on, ``write_batch=16``: random
+instants on both backends and mid-upload through the fault proxy) and prints the tally per phase
+at the kill and of the steps lost.
 """
 
 from __future__ import annotations
