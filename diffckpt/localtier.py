@@ -26,6 +26,7 @@ from typing import Any
 
 from .errors import CheckpointNotFoundError, DiffCkptError, StorageError
 from .format import CHECKSUMS, FORMAT_VERSION, SegmentName
+from .inventory import Inventory
 from .journal import place_for, remove_folder
 from .journalfile import JournalFile, journals, sweep, verified_records
 from .runstore import RunStore, session_path
@@ -37,7 +38,6 @@ from .storage.nodelocal import open_private, private_folder
 __all__ = ["LocalTier", "merge_for_rank", "merge_local_tier", "read_local_tier"]
 
 log = logging.getLogger("diffckpt")
-_COPY = 8 << 20
 
 
 @dataclass
@@ -89,6 +89,7 @@ def read_local_tier(store: RunStore, local_dir: str | None, fence: Storage | Non
     found = journals(place.folder, place.url, claim)
     if not found:
         return tier
+    invs = _inventories(store, fence)  # listed once: every session's durable steps
     superseded: dict[int, bool] = {}
     mine: list[JournalFile] = []
     for journal in found:
@@ -99,7 +100,7 @@ def read_local_tier(store: RunStore, local_dir: str | None, fence: Storage | Non
             tier.live.append(journal)
             continue
         if journal.gen not in superseded:
-            superseded[journal.gen] = moved_on(store, journal.gen, fence)
+            superseded[journal.gen] = _superseded(invs, journal.gen)
         (tier.stale if superseded[journal.gen] else mine).append(journal)
     ours = {g: _same_run(store, g) for g in {j.gen for j in mine}}  # before the newest is chosen
     tier.stale += [j for j in mine if not ours[j.gen](j)]
@@ -109,7 +110,7 @@ def read_local_tier(store: RunStore, local_dir: str | None, fence: Storage | Non
     gen = max(j.gen for j in mine)
     tier.stale += [j for j in mine if j.gen != gen]
     mine = [j for j in mine if j.gen == gen]
-    durable = store.inventory().newest_step(gen)
+    durable = invs[0].newest_step(gen)
     if durable is None:  # the session's first base never became durable: nothing to continue
         tier.stale += mine
         return tier
@@ -164,8 +165,17 @@ def moved_on(store: RunStore, gen: int, fence: Storage | None = None) -> bool:
     the run root ``fence``: the run went on without what ``gen`` journaled, and a restore follows
     the newest session with a base. A later session that died before its first base changed
     nothing, and does not make ``gen``'s journals stale."""
+    return _superseded(_inventories(store, fence), gen)
+
+
+def _inventories(store: RunStore, fence: Storage | None) -> list[Inventory]:
+    """The stream's inventory, then the run root's where the stream is a rank's."""
     stores = [store] + ([RunStore(fence)] if fence is not None and fence.url != store.storage.url else [])
-    return any(g > gen and inv.newest_step(g) is not None for inv in (s.inventory() for s in stores) for g in inv.gens())
+    return [s.inventory() for s in stores]
+
+
+def _superseded(invs: list[Inventory], gen: int) -> bool:
+    return any(g > gen and inv.newest_step(g) is not None for inv in invs for g in inv.gens())
 
 
 def merge_local_tier(store: RunStore, local_dir: str | None, fence: Storage | None = None) -> int | None:
