@@ -1,11 +1,22 @@
-"""How the background writer puts objects in the run root: each write fenced against newer
-sessions and retried through outages, and segments and bases committed in order, one at a time,
-in a thread of their own, so the writer encodes the next records while an upload runs.
+"""How the background writer puts objects in the run root (the durable tier): each write fenced
+against newer sessions and retried through outages, and segments and bases committed in order, one
+at a time, in a thread of their own, so the writer encodes the next records while an upload runs.
 
-Finished segments wait their turn as spools on local disk (journaled, so a crash loses none of
-them on this node); at most ``WAITING`` segments or bases wait, then the writer waits too. A base
-waits in memory (:class:`PendingBase`, its bytes counted against ``max_pending_bytes`` until
-written): the segments after it, which continue from its step, commit only once it is durable.
+Finished segments wait their turn as spools in the node-local tier (journaled, so a crash loses
+none of them on this node). How long the writer lets them wait is ``durability``'s:
+
+- ``"paced"`` (the default): training never waits for the durable tier. The durable tier takes
+  every segment while it keeps up (at most ``WAITING`` segments or bases wait behind the one being
+  committed); when it falls behind, a base handed over supersedes what waits before it (segments
+  and older bases not started yet), so it takes bases at the pace of its bandwidth instead. A skipped segment is *parked*: its spool and journal stay in the node-local
+  tier (a process crash loses nothing of it) until the base after it is durable. The writer waits
+  only once the segments waiting and parked hold more than ``local_max_bytes``.
+- ``"every_step"``: every segment is committed; at most ``WAITING`` segments or bases wait, then the
+  writer, and so training, waits for storage.
+
+A base is a snapshot of the state on the device (or host) that the commit thread copies to the
+host only when its turn comes (:class:`PendingBase`); one superseded before that is never copied.
+The segments after a base, which continue from its step, commit only once it is durable.
 """
 
 from __future__ import annotations
@@ -26,63 +37,85 @@ from .format import BaseName, SegmentName, base_commit
 from .openseg import OpenSegment
 from .outage import Outage
 from .runstore import RunStore
+from .staging import HostStage
 from .storage import Storage
 from .storage.protocol import data_size
+from .tree import pack_parts
 from .tuning.meter import Meter
+from .units import format_bytes
 
 __all__ = ["Committer", "PendingBase"]
 
 log = logging.getLogger("diffckpt")
-WAITING = 2  # finished segments waiting for the one being committed, before the writer waits
+WAITING = 2  # durability="every_step": segments or bases waiting behind the one committed, before the writer waits
 
 
 @dataclass
 class PendingBase:
-    """A base packed by the writer, waiting for its turn in the commit thread: ``parts`` are
-    views of the host copies in ``params``' tree, so they stay in memory until written.
-    ``release`` lets them go (once: written, failed, or given up); ``pack_s`` is the writer's time
-    on it, counted in ``write_seconds`` with the commit's, as a segment's encoding is."""
+    """A base handed to the commit thread: ``snapshot`` is ``(tree, params)``, the copies taken at
+    its step (on the device under CUDA), staged to the host by ``stage`` after the events ``ready``
+    and packed only when its commit starts (:meth:`pack`). ``let_go`` drops every copy (once:
+    written, failed, superseded or given up); ``pack_s``, the time staging and packing took, counts
+    in ``write_seconds`` with the commit's, as a segment's encoding does."""
 
     name: BaseName
-    parts: list[Buffer]
-    params: list[torch.Tensor]
-    size: int
-    pack_s: float
-    release: Callable[[], None]
-    _released: bool = field(default=False, repr=False)
+    snapshot: tuple[dict[str, Any], list[torch.Tensor]] | None
+    ready: list[Any]
+    stage: HostStage
+    size: int = 0
+    pack_s: float = 0.0
+    _staged: list[torch.Tensor] = field(default_factory=list, repr=False)
+
+    def pack(self, meter: Meter | None) -> tuple[list[Buffer], list[torch.Tensor]]:
+        """The base's parts (views of its host copy, no copy) and its parameters to fingerprint."""
+        assert self.snapshot is not None, "a base is packed once"
+        start = time.monotonic()
+        (tree, params), self._staged = self.stage.to_host(self.snapshot, self.ready)
+        self.snapshot = None  # the device copy goes now that the host has one
+        parts = pack_parts(tree)
+        self.size, self.pack_s = sum(len(p) for p in parts), time.monotonic() - start
+        if meter is not None:
+            meter.add_base(self.size, self.pack_s)
+        return parts, params
 
     def keep(self) -> None:
         """Given up (the writer was abandoned): nothing of a base stays; its memory goes."""
         self.let_go()
 
     def let_go(self) -> None:
-        if not self._released:
-            self._released = True
-            self.parts, self.params = [], []
-            self.release()
+        self.snapshot = None
+        self.stage.release(self._staged)
+        self._staged = []
 
 
 class Committer:
     """The writes of one writer (session ``gen``): ``storage`` and ``fence`` already stop
     retrying once ``abandon`` is set; ``stats`` is the writer's ``WriterStats``; ``held`` says
     how many bytes the writer holds (for the outage's messages); ``fail`` keeps a commit thread's
-    error for the training thread."""
+    error for the training thread. ``paced``: ``durability="paced"`` (the module doc), with
+    ``local_max_bytes`` the bytes of segments that may wait or be parked before the writer waits."""
 
     def __init__(self, store: RunStore, gen: int, storage: Storage, fence: Storage, abandon: threading.Event,
                  outage: Outage, stats: Any, meter: Meter | None, max_backoff_s: float,
-                 held: Callable[[], int], fail: Callable[[BaseException], None]) -> None:
+                 held: Callable[[], int], fail: Callable[[BaseException], None], paced: bool = False,
+                 local_max_bytes: int = 0) -> None:
         self.store, self.gen, self.storage, self.fence = store, gen, storage, fence
         self.abandon, self.outage, self.stats, self.meter = abandon, outage, stats, meter
         self.max_backoff_s, self.held, self.fail = max_backoff_s, held, fail
+        self.paced, self.local_max_bytes = paced, local_max_bytes
         self.durable_step: int | None = None
         self.thread: threading.Thread | None = None  # the commit thread, while it has segments
         self.error: BaseException | None = None  # the commit thread's, once it failed
         self._queue: collections.deque[tuple[OpenSegment | PendingBase, SegmentName | BaseName, int, int]] = \
             collections.deque()
+        self.parked: list[tuple[OpenSegment, SegmentName]] = []  # skipped, kept until a base after them is durable
+        self.skipped_segments = self.superseded_bases = 0
         self._lock = threading.Lock()
         # Whether the commit thread takes the queue on: set and cleared under the lock, so a
         # segment handed over just as the thread ends is never left without one.
         self._running = False
+        self._warned = False
+        self.stage = HostStage()  # the bases' own: the writer's records never wait behind a base's copy
 
     def write(self, path: str, data: Any) -> None:
         """Write one object: fenced against newer sessions, retried through outages until it is
@@ -117,15 +150,21 @@ class Committer:
                 "each job its own dirpath")
 
     def start(self, segment: OpenSegment | PendingBase, name: SegmentName | BaseName, records: int, raw: int) -> None:
-        """Commit a finished segment after those handed over before it, in the commit thread;
-        wait first while ``WAITING`` segments already wait. A wait that ends in an error (the writer
+        """Commit a finished segment (or a base) after those handed over before it, in the commit
+        thread. First wait while too much waits (``WAITING`` items, or paced: ``local_max_bytes``);
+        a paced base supersedes what waits before it. A wait that ends in an error (the writer
         abandoned, a commit failed) keeps the segment's spool and journal for the local tier."""
         try:
-            self.settle(WAITING)
+            if not self.paced:
+                self.settle(WAITING)
+            elif isinstance(segment, OpenSegment):
+                self._wait_for_room()
         except BaseException:
             segment.keep()
             raise
         with self._lock:
+            if self.paced and isinstance(segment, PendingBase):
+                self._supersede()
             self._queue.append((segment, name, records, raw))
             if self._running:
                 return
@@ -138,6 +177,49 @@ class Committer:
             except RuntimeError:  # Python 3.12+ starts no thread at interpreter shutdown (a flush at exit)
                 pass
         self._commit_segments()  # so the writer thread commits, in order, before it goes on
+
+    def _supersede(self) -> None:
+        """A base is handed over (paced, under the lock). While at most ``WAITING`` items wait, the
+        durable tier keeps up: the base commits after them. Past that it is behind, and what waits
+        and has not started goes: segments are parked (the base carries their effect; a crash
+        before it is durable takes them back from the local tier), older bases let go."""
+        started = 1 if self._running and self._queue else 0
+        if len(self._queue) - started <= WAITING:
+            return
+        while len(self._queue) > started:
+            item, name, _, _ = self._queue.pop()
+            if isinstance(item, PendingBase):
+                item.let_go()
+                self.superseded_bases += 1
+            else:
+                assert isinstance(item, OpenSegment) and isinstance(name, SegmentName)
+                self.skipped_segments += 1
+                if item.journal is None:  # no local tier: nothing could take it back
+                    item.discard()
+                else:
+                    self.parked.insert(0, (item, name))
+
+    def waiting_bytes(self) -> int:
+        """Bytes of finished segments in the local tier, not durable: waiting or parked."""
+        with self._lock:
+            waiting = [s for s, _, _, _ in self._queue if isinstance(s, OpenSegment)] + [s for s, _ in self.parked]
+            return sum(s.spool.size for s in waiting)
+
+    def _wait_for_room(self) -> None:
+        """Paced: wait while the segments waiting and parked hold more than ``local_max_bytes``
+        (each is freed by its commit, or by the commit of the base after it)."""
+        while self.error is None and self.waiting_bytes() > self.local_max_bytes:
+            if not self._warned:
+                self._warned = True
+                log.warning("diffckpt: the durable tier (%s) is behind and the segments waiting for it hold more "
+                            "than local_max_bytes (%s): the writer, and so training, waits for it. A smaller "
+                            "base_every_n_steps lets bases supersede what waits; or raise local_max_bytes",
+                            self.store.storage.url, format_bytes(self.local_max_bytes))
+            self.thread.join(0.05) if self.thread is not None else time.sleep(0.05)
+            if self.abandon.is_set():
+                raise StorageUnavailableError("the writer was abandoned while it waited for the durable tier")
+        if self.error is not None:
+            raise self.error
 
     def settle(self, waiting: int = 0) -> None:
         """Wait until at most ``waiting`` segments are handed over and not committed (``0``: all
@@ -173,12 +255,14 @@ class Committer:
                     self._queue.popleft()
 
     def keep_waiting(self) -> None:
-        """Keep the spools of the segments not committed (the writer gave up): their journals
-        let a resume on this node take their records back."""
+        """Keep the spools of the segments not committed, parked ones included (the writer gave
+        up): their journals let a resume on this node take their records back."""
         with self._lock:
             busy = self.in_flight  # the one being committed is the commit thread's to keep or discard
             while len(self._queue) > busy:
                 self._queue.pop()[0].keep()
+            while self.parked:
+                self.parked.pop()[0].keep()
 
     def _commit_segment(self, segment: OpenSegment, name: SegmentName, records: int, raw: int) -> None:
         start = time.monotonic()
@@ -202,11 +286,13 @@ class Committer:
 
     def _commit_base(self, base: PendingBase) -> None:
         """``state.safetensors`` first and ``COMMIT`` last (readers ignore a base without it);
-        the fingerprint and the file's hash are computed here, off the writer thread."""
-        name, size, start = base.name, base.size, time.monotonic()
+        the host copy, the fingerprint and the file's hash are made here, off the writer thread.
+        Once it is durable, the segments parked before it go."""
+        name, start = base.name, time.monotonic()
         try:
-            self.write(name.state_path, base.parts)
-            self.write(name.commit_path, base_commit(name.step, self.gen, fingerprint(base.params), base.parts))
+            parts, params = base.pack(self.meter)
+            self.write(name.state_path, parts)
+            self.write(name.commit_path, base_commit(name.step, self.gen, fingerprint(params), parts))
         except BaseException as exc:  # as a segment's: no later segment commits (it would continue nothing)
             self.error = exc
             if not self.abandon.is_set():
@@ -215,7 +301,12 @@ class Committer:
             return
         finally:
             base.let_go()
-        self.stats.write_seconds += time.monotonic() - start + base.pack_s
+        self.stats.write_seconds += time.monotonic() - start
         self.stats.bases += 1
-        self.stats.base_bytes += size
+        self.stats.base_bytes += base.size
         self.durable_step = name.step if self.durable_step is None else max(self.durable_step, name.step)
+        with self._lock:
+            gone = [s for s, n in self.parked if n.last <= name.step]
+            self.parked = [(s, n) for s, n in self.parked if n.last > name.step]
+        for segment in gone:
+            segment.discard()

@@ -41,11 +41,20 @@ from typing import Any
 
 from .checksums import XXH3_128
 from .errors import StorageError
-from .storage.nodelocal import identity, lock, open_private, private_folder, user_folder
+from .storage.nodelocal import (
+    free_bytes,
+    identity,
+    lock,
+    memory_backed,
+    open_private,
+    private_folder,
+    user_folder,
+)
 
 __all__ = [
     "DIGEST",
     "HEAD",
+    "LOCAL_DIR_ENV",
     "MAGIC",
     "JournalPlace",
     "JournalWriter",
@@ -55,6 +64,7 @@ __all__ = [
     "place_for",
     "remove_folder",
     "resolve_local_dir",
+    "tier_budget",
 ]
 
 MAGIC = b"DJ"
@@ -67,15 +77,35 @@ _FORMAT = 1
 class JournalPlace:
     """Where the journals of one stream go: ``folder`` (:func:`journal_folder`), the stream's
     ``url`` their headers name, and the ``session`` id of the session file they continue (a run
-    root made anew at the same URL has sessions of the same numbers, not of the same ids)."""
+    root made anew at the same URL has sessions of the same numbers, not of the same ids).
+    ``memory``: whether the folder is held in memory (the spools then go there whatever the run
+    root, so that records are written at memory speed)."""
 
     folder: str
     url: str
     session: str | None = None
+    memory: bool = False
+
+
+LOCAL_DIR_ENV = "DIFFCKPT_LOCAL_DIR"
+"""The environment variable that chooses the folder of ``local_dir="auto"`` (a job's or a
+cluster's choice, e.g. a local NVMe disk, without a code change)."""
+
+SHARED_MEMORY = "/dev/shm"
+MIN_SHARED_MEMORY = 1 << 30  # free bytes below which "auto" does not take shared memory
 
 
 def default_local_dir() -> str:
-    """Where ``local_dir="auto"`` keeps journals: the system temporary folder (``TMPDIR``)."""
+    """Where ``local_dir="auto"`` keeps journals and spools: ``$DIFFCKPT_LOCAL_DIR`` if set; else
+    shared memory when it is held in memory, writable and has ``MIN_SHARED_MEMORY`` free (a
+    container's default 64 MiB does not); else the system temporary folder (``TMPDIR``)."""
+    chosen = os.environ.get(LOCAL_DIR_ENV)
+    if chosen:
+        return chosen
+    shm = SHARED_MEMORY
+    if (os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) and memory_backed(shm)
+            and free_bytes(shm) >= MIN_SHARED_MEMORY):
+        return shm
     return tempfile.gettempdir()
 
 
@@ -89,7 +119,17 @@ def place_for(local_dir: str | None, url: str, session: str | None = None) -> Jo
     (``None``: no journal); ``session``: the id of the writing session's file."""
     if local_dir is None:
         return None
-    return JournalPlace(journal_folder(resolve_local_dir(local_dir), url), url, session)
+    folder = resolve_local_dir(local_dir)
+    return JournalPlace(journal_folder(folder, url), url, session, memory_backed(folder))
+
+
+def tier_budget(local_dir: str | None, given: int | None) -> int:
+    """``CheckpointOptions.local_max_bytes``: ``given``, else half the free space of the folder the
+    spools go to (the node-local tier's, or the temporary folder without one), at least 1 MiB."""
+    if given is not None:
+        return given
+    folder = resolve_local_dir(local_dir) if local_dir is not None else tempfile.gettempdir()
+    return max(1 << 20, free_bytes(folder) // 2)
 
 
 def journal_folder(local_dir: str, url: str) -> str:

@@ -22,7 +22,7 @@ from .format import SegmentName
 from .journal import JournalPlace, JournalWriter, make_folder
 from .segment import SegmentEncoder
 from .storage import Storage
-from .storage.spool import Spool, open_spool
+from .storage.spool import Spool, open_spool, temporary_spool
 
 log = logging.getLogger("diffckpt")
 
@@ -75,6 +75,8 @@ class OpenSegment:
         if self.place is not None:
             try:
                 make_folder(self.place.folder)
+                if self.place.memory:  # at memory speed, whatever the run root; its commit is a copy
+                    return temporary_spool(hint, self.place.folder)
                 return open_spool(self.storage, hint, self.place.folder)
             except StorageError as exc:
                 self._tier_lost(exc)

@@ -119,11 +119,25 @@ class CheckpointOptions:
             the same node after a process crash (``kill -9``, the OOM killer, an exception) loses
             at most the last step, whatever ``write_batch`` and storage. The training thread then
             waits at each step until the step before it is journaled. ``"auto"`` (the default):
-            the system temporary folder (``TMPDIR``); a path: a folder of your own (e.g. a local
-            NVMe disk); ``None``: no journal, and a crash loses what no segment committed yet
-            (up to ``write_batch`` steps and what is queued). On object stores the open
-            segments' spools live there too; on a local run root they stay beside their
-            segments. ``docs/storage.md`` says what each failure loses.
+            the folder named by the environment variable ``DIFFCKPT_LOCAL_DIR`` if set, else
+            shared memory (``/dev/shm``, where records are written at memory speed) when it has
+            at least 1 GiB free, else the system temporary folder (``TMPDIR``); a path: a folder
+            of your own (e.g. a local NVMe disk); ``None``: no journal, and a crash loses what no
+            segment committed yet (up to ``write_batch`` steps and what is queued). The open
+            segments' spools live there too, except on a local run root when the folder is on
+            disk (they then stay beside their segments, committed by a rename).
+            ``docs/storage.md`` says what each failure loses.
+        durability: ``"paced"`` (the default): training never waits for the durable tier (the
+            run root). The per-step chain is kept in the node-local tier; the run root takes
+            every segment while it keeps up, and when it falls behind, a base supersedes the
+            segments waiting before it, so the run root takes bases at the pace of its bandwidth
+            (a node loss then loses the steps since the newest durable base, which the first
+            step's log, ``diffckpt ls`` and the metrics state). ``"every_step"``: every segment
+            is made durable, and training waits for storage when it is slower than the records.
+        local_max_bytes: with ``durability="paced"``, the bytes of finished segments that may
+            wait in the node-local tier for the run root (or be parked there until the base after
+            them is durable) before the writer, and so training, waits. ``None`` (the default):
+            half the free space of the node-local tier's folder when the session starts.
         flush_timeout_s: how long the final flush may take when training is interrupted
             (SIGTERM, SIGINT, an exception) before giving up; it then logs how far durability
             got. A normal end of training waits for storage as ``on_storage_error`` says.
@@ -148,6 +162,8 @@ class CheckpointOptions:
     compact_every_n_steps: int | None = None
     compact_device: str | None = None
     local_dir: str | None = "auto"
+    durability: Literal["paced", "every_step"] = "paced"
+    local_max_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("every_n_steps", "write_batch", "max_pending_bytes", "compression_level"):
@@ -186,6 +202,11 @@ class CheckpointOptions:
             raise ValueError(f"copy_gradients must be True or False, got {self.copy_gradients!r}")
         if self.local_dir is not None and (not isinstance(self.local_dir, str) or not self.local_dir):
             raise ValueError(f"local_dir must be 'auto', a folder or None, got {self.local_dir!r}")
+        if self.durability not in ("paced", "every_step"):
+            raise ValueError(f"durability must be 'paced' or 'every_step', got {self.durability!r}")
+        n = self.local_max_bytes
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ValueError(f"local_max_bytes must be a positive integer or None, got {n!r}")
         if self.compression not in ("auto", "zstd", "none"):
             raise ValueError(f"compression must be 'auto', 'zstd' or 'none', got {self.compression!r}")
 

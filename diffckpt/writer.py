@@ -27,7 +27,7 @@ from .committer import Committer, PendingBase
 from .errors import DiffCkptError, StorageUnavailableError
 from .format import BaseName
 from .handoff import HandOff
-from .journal import place_for, remove_folder, resolve_local_dir
+from .journal import place_for, remove_folder, resolve_local_dir, tier_budget
 from .journalfile import sweep_dead_once
 from .leases import Lease
 from .openseg import OpenSegment
@@ -38,7 +38,6 @@ from .runstore import RunStore
 from .staging import HostStage
 from .storage import Storage
 from .storage.retry import RetryingStorage
-from .tree import pack_parts
 from .tuning.meter import Meter
 
 __all__ = ["BackgroundWriter", "WriterStats"]
@@ -103,7 +102,8 @@ class BackgroundWriter:
         self._handoff = HandOff(options, self.outage, self.stats, lambda: self._error is not None,
                                 lambda: self.durable_step)
         self._committer = Committer(store, gen, self.storage, fence, self._abandon, self.outage, self.stats,
-                                    meter, options.retry.max_backoff_s, lambda: self._handoff.queued_bytes, self._fail)
+                                    meter, options.retry.max_backoff_s, lambda: self._handoff.queued_bytes, self._fail,
+                                    options.durability == "paced", tier_budget(options.local_dir, options.local_max_bytes))
         self._last_buffers: dict[str, torch.Tensor] | None = None
         self._thread = threading.Thread(target=self._run, name=f"diffckpt-writer-g{gen}", daemon=True)
         self._thread.start()
@@ -286,11 +286,9 @@ class BackgroundWriter:
     def _run(self) -> None:
         while (taken := self._handoff.take()) is not None:
             kind, item, nbytes = taken
-            passed = False
             try:
                 if self._error is None:
-                    passed = kind == "base"  # its bytes count until written: _queue_base lets them go
-                    self._handle(kind, item, nbytes)
+                    self._handle(kind, item)
             except BaseException as exc:  # kept and re-raised on the training thread
                 if exc is not self._error:  # a commit's error is logged where it happened
                     log.error("diffckpt: background write failed: %s", exc)
@@ -299,14 +297,13 @@ class BackgroundWriter:
                 if kind == "flush":
                     item.set()
                 item = taken = None  # a record's memory goes now that its bytes are written
-                if not passed:
-                    self._handoff.done(nbytes)
+                self._handoff.done(nbytes)
 
-    def _handle(self, kind: str, item: Any, nbytes: int) -> None:
+    def _handle(self, kind: str, item: Any) -> None:
         if kind == "record":
             self._add_record(*item)
         elif kind == "base":
-            self._queue_base(*item, nbytes=nbytes)
+            self._queue_base(*item)
         elif kind == "call":
             self._write_segment()
             item()
@@ -366,35 +363,15 @@ class BackgroundWriter:
         if self._open is not None:
             self._open = self._open.drop_through(step)
 
-    def _queue_base(self, step: int, tree: dict[str, Any], params: list[torch.Tensor], ready: Any, *,
-                    nbytes: int) -> None:
-        """Cut the open segment, pack the base (views of its host copies, no copy) and hand both to
-        the commit thread, in order, without waiting for their uploads: training waits only for the
-        records after the base to be journaled, which continue from its step. The base's ``nbytes``
-        count against ``max_pending_bytes`` until it is written or given up, whatever happens here."""
-        base: PendingBase | None = None
-        try:
-            self._write_segment(wait=False)
-            self._drop_superseded(step)
-            start = time.monotonic()
-            (tree, params), staged = self.stage.to_host((tree, params), [ready] if ready is not None else [])
-            parts = pack_parts(tree)
-            size = sum(len(p) for p in parts)
-            pack_s = time.monotonic() - start
-            if self.meter is not None:
-                self.meter.add_base(size, pack_s)
-
-            def release() -> None:  # on the commit thread, once written
-                self.stage.release(staged)
-                self._handoff.done(nbytes)
-
-            base = PendingBase(BaseName(step, self.gen), parts, params, size, pack_s, release)
-            self._committer.start(base, base.name, 0, 0)
-        except BaseException:
-            if base is None:
-                self._handoff.done(nbytes)
-            else:
-                base.let_go()
-            raise
+    def _queue_base(self, step: int, tree: dict[str, Any], params: list[torch.Tensor], ready: Any) -> None:
+        """Cut the open segment and hand it and the base, in order, to the commit thread, which
+        copies the base to the host when its turn comes (:class:`PendingBase`): training waits
+        neither for that copy nor for the upload, only for the records after the base to be
+        journaled, which continue from its step."""
+        self._write_segment(wait=False)
+        self._drop_superseded(step)
+        base = PendingBase(BaseName(step, self.gen), (tree, params), [ready] if ready is not None else [],
+                           self._committer.stage)
+        self._committer.start(base, base.name, 0, 0)
         self._after = step
         self._last_buffers = None

@@ -28,7 +28,8 @@ import stat
 
 from ..errors import StorageError
 
-__all__ = ["identity", "lock", "locked", "open_private", "private_folder", "running", "user_folder"]
+__all__ = ["free_bytes", "identity", "lock", "locked", "memory_backed", "open_private", "private_folder", "running",
+           "user_folder"]
 
 try:  # POSIX; elsewhere nothing is locked and every writer counts as running
     import fcntl
@@ -185,3 +186,38 @@ def running(pid: int, ident: dict[str, str]) -> bool:
     except OSError:
         return True
     return True
+
+
+_MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
+
+
+def memory_backed(path: str) -> bool:
+    """Whether ``path`` lies on a file system held in memory (``tmpfs``, ``ramfs``: writes run at
+    memory speed and outlive a process, not the node), from the mount table of this process
+    (Linux; elsewhere ``False``)."""
+    try:
+        with open("/proc/self/mounts", encoding="utf-8", errors="replace") as fh:
+            mounts = [line.split()[1:3] for line in fh if len(line.split()) >= 3]
+    except OSError:
+        return False
+    real = os.path.realpath(path)
+    best, kind = "", ""
+    for point, fstype in mounts:
+        point = point.replace("\\040", " ")
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fstype
+    return kind in _MEMORY_FILESYSTEMS
+
+
+def free_bytes(path: str) -> int:
+    """Bytes an unprivileged user may still write in ``path``'s file system (0 if it cannot tell)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:  # a folder not made yet
+        path = os.path.dirname(path)
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+

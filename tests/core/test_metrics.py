@@ -40,9 +40,9 @@ def _run(root: Any, steps: int, start: int = 0, resume: bool = False, hint: str 
 
 
 def test_metrics_follow_the_writer(tmp_path: Path) -> None:
-    # Slow storage and a small queue: training waits for the writer, durability lags behind.
+    # Slow storage, a small queue and every step durable: training waits for the writer, durability lags.
     storage = FaultyStorage(str(tmp_path / "run"), latency=0.03)
-    engine, seen = _run(storage, 12, write_batch=1, max_pending_bytes=4096)
+    engine, seen = _run(storage, 12, write_batch=1, max_pending_bytes=4096, durability="every_step")
     assert all(KEYS - {"diffckpt/durable_step", "diffckpt/durability_lag_steps"} <= set(m) for m in seen)
     for step, m in enumerate(seen, 1):
         if "diffckpt/durable_step" in m:
