@@ -95,6 +95,8 @@ class Committer:
     error for the training thread. ``paced``: ``durability="paced"`` (the module doc), with
     ``local_max_bytes`` the bytes of segments that may wait or be parked before the writer waits."""
 
+    BEHIND_S = 1.0  # how long the oldest waiting item has waited when the durable tier is behind
+
     def __init__(self, store: RunStore, gen: int, storage: Storage, fence: Storage, abandon: threading.Event,
                  outage: Outage, stats: Any, meter: Meter | None, max_backoff_s: float,
                  held: Callable[[], int], fail: Callable[[BaseException], None], paced: bool = False,
@@ -106,7 +108,8 @@ class Committer:
         self.durable_step: int | None = None
         self.thread: threading.Thread | None = None  # the commit thread, while it has segments
         self.error: BaseException | None = None  # the commit thread's, once it failed
-        self._queue: collections.deque[tuple[OpenSegment | PendingBase, SegmentName | BaseName, int, int]] = \
+        # (segment or base, its name, records, raw bytes, when it was handed over), in order
+        self._queue: collections.deque[tuple[OpenSegment | PendingBase, SegmentName | BaseName, int, int, float]] = \
             collections.deque()
         self.parked: list[tuple[OpenSegment, SegmentName]] = []  # skipped, kept until a base after them is durable
         self.skipped_segments = self.superseded_bases = 0
@@ -165,7 +168,7 @@ class Committer:
         with self._lock:
             if self.paced and isinstance(segment, PendingBase):
                 self._supersede()
-            self._queue.append((segment, name, records, raw))
+            self._queue.append((segment, name, records, raw, time.monotonic()))
             if self._running:
                 return
             self._running = True
@@ -179,15 +182,18 @@ class Committer:
         self._commit_segments()  # so the writer thread commits, in order, before it goes on
 
     def _supersede(self) -> None:
-        """A base is handed over (paced, under the lock). While at most ``WAITING`` items wait, the
-        durable tier keeps up: the base commits after them. Past that it is behind, and what waits
-        and has not started goes: segments are parked (the base carries their effect; a crash
-        before it is durable takes them back from the local tier), older bases let go."""
+        """A base is handed over (paced, under the lock). While at most ``WAITING`` items wait, or
+        the oldest has waited less than ``BEHIND_S``, the durable tier keeps up (a burst of small
+        commits on a busy machine is not a backlog): the base commits after them. Past that it is
+        behind, and what waits and has not started goes: segments are parked (the base carries
+        their effect; a crash before it is durable takes them back from the local tier), older
+        bases let go."""
         started = 1 if self._running and self._queue else 0
-        if len(self._queue) - started <= WAITING:
+        waiting = list(self._queue)[started:]
+        if len(waiting) <= WAITING or time.monotonic() - waiting[0][4] < self.BEHIND_S:
             return
         while len(self._queue) > started:
-            item, name, _, _ = self._queue.pop()
+            item, name, _, _, _ = self._queue.pop()
             if isinstance(item, PendingBase):
                 item.let_go()
                 self.superseded_bases += 1
@@ -202,7 +208,7 @@ class Committer:
     def waiting_bytes(self) -> int:
         """Bytes of finished segments in the local tier, not durable: waiting or parked."""
         with self._lock:
-            waiting = [s for s, _, _, _ in self._queue if isinstance(s, OpenSegment)] + [s for s, _ in self.parked]
+            waiting = [q[0] for q in self._queue if isinstance(q[0], OpenSegment)] + [s for s, _ in self.parked]
             return sum(s.spool.size for s in waiting)
 
     def _wait_for_room(self) -> None:
@@ -244,7 +250,7 @@ class Committer:
                     self._running = False
                     return
                 item = self._queue[0]
-            segment, name, records, raw = item
+            segment, name, records, raw, _ = item
             if isinstance(segment, PendingBase):
                 self._commit_base(segment)
             else:

@@ -41,8 +41,10 @@ class LoopState:
 Maker = Callable[[], tuple[torch.nn.Module, list[torch.optim.Optimizer]]]
 Truth = dict[int, dict[str, Any]]  # step -> {"model", "optimizers", "state"} as they truly were
 # retention=None: these runs check that every step restores, which the default retention (the
-# two newest bases' chains) would not keep.
-OPTIONS = {"write_batch": 3, "base_every_n_steps": 5, "fingerprint_every_n_steps": 2, "retention": None}
+# two newest bases' chains) would not keep; durability="every_step" for the same reason: paced, a
+# run root that falls behind on a busy machine takes a base instead of the segments before it.
+OPTIONS = {"write_batch": 3, "base_every_n_steps": 5, "fingerprint_every_n_steps": 2, "retention": None,
+           "durability": "every_step"}
 
 
 def make() -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:

@@ -50,10 +50,10 @@ def _human(key: str, value: Any) -> str:
 
 def _shown(key: str, value: Any, options: dict[str, Any]) -> bool:
     """Settings worth a place in ``ls``: tuning only when tuned, compaction and retention when set,
-    the byte ratio of bases when it sizes them."""
+    the byte ratio of bases when it sizes them, the local tier's bound when given or paced."""
     if key.startswith("tuning."):
         return _auto(options)
-    if key in ("retention", "compact_every_n_steps"):
+    if key in ("retention", "compact_every_n_steps", "local_max_bytes"):
         return value is not None
     if key == "base_every_diff_bytes_ratio":
         return options.get("base_every_n_steps") == BY_BYTES

@@ -86,7 +86,7 @@ newest durable step 13 (g1): ckpt_path="<TMP>/run" (or "last" with DiffCheckpoin
 sessions
   gen  started                  resumed_from  durable  newest  ckpt_path
   g1   2023-11-14 22:13:20 UTC  0             0..13    13      <TMP>/run/step=13
-  g1 settings: base_every_n_steps=5 compression=none compression_level=1 copy_gradients=False every_n_steps=1 fingerprint_every_n_steps=2 flush_timeout_s=30s local_dir=auto max_pending_bytes=256MiB on_storage_error=block retry.budget_s=60s retry.initial_backoff_s=200ms retry.max_backoff_s=10s write_batch=3
+  g1 settings: base_every_n_steps=5 compression=none compression_level=1 copy_gradients=False durability=paced every_n_steps=1 fingerprint_every_n_steps=2 flush_timeout_s=30s local_dir=auto max_pending_bytes=256MiB on_storage_error=block retry.budget_s=60s retry.initial_backoff_s=200ms retry.max_backoff_s=10s write_batch=3
 
 bases
   step  gen  size     path
@@ -103,10 +103,10 @@ segments
   10..13       g1   3      7.5 KiB  diffs/000000000010-000000000013.g000001.seg
 
 totals
-  on storage  47.7 KiB (48875 B)
+  on storage  47.8 KiB (48927 B)
   bases       13.8 KiB (14113 B)
   diffs       32.7 KiB (33461 B) over 13 steps, 2.5 KiB per step
-  other       1.3 KiB (1301 B)
+  other       1.3 KiB (1353 B)
 
 resume any durable step N with ckpt_path="<TMP>/run/step=N"
 """

@@ -19,6 +19,7 @@ import pytest
 from engine_runs import OPTIONS, FaultyStorage, Truth, assert_state, make, restore, snapshot, train_steps
 
 from diffckpt import CheckpointEngine, CheckpointOptions, FsspecStorage
+from diffckpt.committer import Committer
 from diffckpt.journal import place_for
 from diffckpt.journalfile import journals
 from diffckpt.storage.nodelocal import memory_backed
@@ -38,6 +39,13 @@ class HeldSegments(FaultyStorage):
             self.held.set()
             assert self.go.wait(60), "the test never let the segments go"
         super().write(path, data)
+
+
+@pytest.fixture(autouse=True)
+def _behind_at_once(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
+    """The held run root is behind from the first held segment on; a run of this size records its
+    steps in milliseconds, well before the second that tells a backlog from a burst."""
+    monkeypatch.setattr(Committer, "BEHIND_S", 3600.0 if "burst" in request.node.name else 0.0)
 
 
 def _local(tmp_path: Path) -> str:
@@ -103,6 +111,21 @@ def test_paced_training_never_waits_and_the_run_root_takes_bases_instead(tmp_pat
     for step in (0, 1, 10, 11, 12):
         result, mod, opts = restore(str(tmp_path / "run"), step)
         assert result.step == step
+        assert_state(truth, result, mod, opts)
+
+
+def test_a_burst_younger_than_behind_s_is_not_a_backlog_and_every_segment_lands(tmp_path: Path) -> None:
+    """Paced, with segments waiting for less than ``BEHIND_S``: the bases wait behind them, and the
+    run root gets every step, as with ``every_step``; training still did not wait."""
+    storage, engine, truth, went_through, thread = _train_held(tmp_path, "paced")
+    assert went_through
+    storage.go.set()
+    assert engine.close() == STEPS
+    assert [p for p in storage.written if p.startswith("diffs/")] == [
+        f"diffs/{s - 1:012d}-{s:012d}.g000001.seg" for s in range(1, STEPS + 1)]
+    thread.join(10)
+    for step in range(STEPS + 1):
+        result, mod, opts = restore(str(tmp_path / "run"), step)
         assert_state(truth, result, mod, opts)
 
 
