@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .lossbound import LossBound
 from .writer import BackgroundWriter
 
 __all__ = ["CheckpointMetrics"]
@@ -27,12 +28,14 @@ class CheckpointMetrics:
     queued_bytes: int  # bytes queued or pending in the writer, not durable yet
     max_pending_bytes: int  # the queue's bound
     local_step: int | None = None  # newest step in the node-local tier (None: no journal, or none yet)
+    loss: LossBound | None = None  # what each failure loses at most, stated at the session's first record
 
     @classmethod
     def of(cls, writer: BackgroundWriter, recorded_step: int) -> CheckpointMetrics:
         s = writer.stats
         return cls(recorded_step, writer.durable_step, s.segment_bytes, s.records, s.segment_bytes + s.base_bytes,
-                   s.stall_seconds, writer.queued_bytes, writer.options.max_pending_bytes, writer.journaled_step)
+                   s.stall_seconds, writer.queued_bytes, writer.options.max_pending_bytes, writer.journaled_step,
+                   writer.loss)
 
     @property
     def bytes_per_step(self) -> float:
@@ -43,7 +46,9 @@ class CheckpointMetrics:
         """Flat ``diffckpt/*`` metrics for experiment loggers; the durable step and the lag are
         left out until the session's first write is durable (a logger wants numbers). The lag of
         each tier: ``durability_lag_steps`` (the run root: what a node loss loses) and
-        ``local_lag_steps`` (the node-local tier: what a process crash loses)."""
+        ``local_lag_steps`` (the node-local tier: what a process crash loses). What each failure
+        loses at most, as stated at the first record: ``crash_loss_bound_steps`` and
+        ``node_loss_bound_steps`` (left out where there is no bound, or none measured yet)."""
         out = {"diffckpt/bytes_per_step": self.bytes_per_step,
                "diffckpt/bytes_written": float(self.bytes_written),
                "diffckpt/writer_stall_s": self.stall_seconds,
@@ -55,4 +60,8 @@ class CheckpointMetrics:
         if local is not None:
             out["diffckpt/local_step"] = float(local)
             out["diffckpt/local_lag_steps"] = float(max(0, self.recorded_step - local))
+        if self.loss is not None and self.loss.crash_steps is not None:
+            out["diffckpt/crash_loss_bound_steps"] = float(self.loss.crash_steps)
+        if self.loss is not None and self.loss.node_steps is not None:
+            out["diffckpt/node_loss_bound_steps"] = float(self.loss.node_steps)
         return out

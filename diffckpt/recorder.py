@@ -29,6 +29,7 @@ from .lifecycle.footprint import session_projection
 from .lifecycle.maintenance import Maintenance
 from .localtier import merge_for_rank
 from .locate import Located, locate
+from .lossbound import loss_bound
 from .options import CheckpointOptions
 from .policies import IntervalPolicy, StepContext
 from .replay import ReplayResult
@@ -72,13 +73,13 @@ class Recorder:
         self.writer: BackgroundWriter | None = None
         self.capture: StepCapture | None = None
         self.module: torch.nn.Module | None = None
-        self._prev_step = 0
-        self._last_base = 0
+        self._prev_step = self._last_base = 0
         self._buffer_names: list[str] = []
         self._durable: int | None = None
         self._base_nbytes = 0  # bytes of the newest base handed to the writer
         self._projected = False  # the session's storage projection is logged (first record)
         self._streams = 1  # rank streams under the run root, each writing about as much as this one
+        self._based_at = time.perf_counter()  # when the newest base was handed over (times the first step)
         self.kept = KeptSteps(self.storage, self.after_written, lambda: self.durable_step)  # framework saves' steps
         self.tuning = OnlineTuning(self.options)
         self.maintenance: Maintenance | None = None
@@ -259,7 +260,7 @@ class Recorder:
         stalled = writer.stats.stall_seconds
         writer.put_record(record, nbytes, leases, HostStage.mark(record))
         if not self._projected:
-            self._project(nbytes / (step - self._prev_step))
+            self._project(nbytes / (step - self._prev_step), (entered - self._based_at) / (step - self._prev_step))
         self.tuning.stepped(step, nbytes)
         self._prev_step = step
         if self.maintenance is not None:
@@ -297,18 +298,21 @@ class Recorder:
             writer.flush()
         self._last_base, self._base_nbytes = step, nbytes
         self.tuning.based(step, nbytes)
-        done = time.perf_counter()
+        done = self._based_at = time.perf_counter()
         self.tuning.note_base(done - start - (writer.stats.stall_seconds - stalled), nbytes, done)
 
-    def _project(self, step_bytes: float) -> None:
-        """Log once per session, at its first record, what the run will take on storage at this
-        many bytes per step (:mod:`diffckpt.lifecycle.footprint`); one process per run root."""
-        self._projected = True
-        if not self.collects_garbage:
-            return
-        base = max(self._base_nbytes, self._base_bytes_now())
-        log.info("diffckpt: %s", session_projection(self.options, self.tuning.settings.base_every_n_steps,
-                                                    step_bytes, base, self._streams))
+    def _project(self, step_bytes: float, step_s: float) -> None:
+        """Log once per session, at its first record, what each failure loses (``lossbound.py``;
+        the metrics too) and what the run will take on storage (``lifecycle/footprint.py``)."""
+        self._projected, writer, o = True, self.writer, self.options
+        assert writer is not None
+        base, every = max(self._base_nbytes, self._base_bytes_now()), self.tuning.settings.base_every_n_steps
+        writer.loss = loss_bound(o, writer.journal is not None, writer.write_batch, writer.stats.durable_bps,
+                                 self.stream.storage.url, step_s=step_s, record_bytes=step_bytes, base_bytes=base,
+                                 base_every=every)
+        log.info("diffckpt: %s", writer.loss.text)
+        if self.collects_garbage:
+            log.info("diffckpt: %s", session_projection(o, every, step_bytes, base, self._streams))
 
     def flush(self, timeout: float | None = None) -> int | None:
         """Block until everything captured is durable; return the durable step.
@@ -321,13 +325,11 @@ class Recorder:
 
     def check(self) -> None:
         """Raise a background error on the calling thread, if one happened."""
-        if self.writer:
-            self.writer.check()
+        self.writer.check() if self.writer else None
 
     @property
     def durable_step(self) -> int | None:
-        """Newest step the current (or last) session made durable; still valid after
-        :meth:`close` and after a background write failed, when ``close()`` raised instead."""
+        """Newest step the current (or last) session made durable; still valid after :meth:`close`."""
         return self.writer.durable_step if self.writer else self._durable
 
     def close(self, timeout: float | None = None) -> int | None:
@@ -336,10 +338,8 @@ class Recorder:
         A background error is raised here if it was not raised before, or again if it was; the
         session is closed either way and :attr:`durable_step` tells how far it got.
 
-        Args:
-            timeout: give up flushing after this many seconds, logging which steps are durable
-                and which are lost (for preemption: see ``CheckpointOptions.flush_timeout_s``).
-                ``None`` waits as ``on_storage_error`` says.
+        ``timeout``: give up flushing after this many seconds, logging which steps are durable and
+        which are lost (``CheckpointOptions.flush_timeout_s``); ``None`` waits as ``on_storage_error`` says.
         """
         durable = None
         try:

@@ -30,6 +30,7 @@ from .handoff import HandOff
 from .journal import place_for, remove_folder, resolve_local_dir, tier_budget
 from .journalfile import sweep_dead_once
 from .leases import Lease
+from .lossbound import LossBound
 from .openseg import OpenSegment
 from .options import CheckpointOptions
 from .outage import Outage
@@ -60,6 +61,11 @@ class WriterStats:
     outages: int = 0
     outage_seconds: float = 0.0
     peak_held_bytes: int = 0  # the most bytes the writer held at once (queued or being encoded)
+
+    @property
+    def durable_bps(self) -> float | None:
+        """The run root's measured write rate, from the bases written (``None``: none yet)."""
+        return self.base_bytes / self.write_seconds if self.bases and self.write_seconds > 0 else None
 
 
 class BackgroundWriter:
@@ -95,6 +101,7 @@ class BackgroundWriter:
         self.journal = place_for(options.local_dir, store.storage.url, session)
         if options.local_dir is not None:  # what dead processes left on this node, once a process
             sweep_dead_once(resolve_local_dir(options.local_dir))
+        self.loss: LossBound | None = None  # what each failure loses, stated at the first record
         self.journaled_step: int | None = None  # the newest step in the local tier
         self.journaled_restorable: int | None = None  # ... and the newest a resume there takes back
         self.outage = Outage(store.storage.url, options, self.stats)

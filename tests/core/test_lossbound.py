@@ -1,0 +1,74 @@
+"""What each failure loses, stated from measurements (``lossbound.py``): the bound for each
+regime of the run root against the records, and its statement at a session's first record, in
+the log and the metrics."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+from engine_runs import make, optimizer_step
+
+from diffckpt import CheckpointEngine, CheckpointOptions
+from diffckpt.lossbound import loss_bound
+from diffckpt.metrics import CheckpointMetrics
+
+MB = 1 << 20
+
+
+def _bound(durability: str = "paced", bps: float | None = 100 * MB, base_every: object = 10, journal: bool = True):
+    return loss_bound(CheckpointOptions(durability=durability), journal, 4, bps, "file:///run",  # type: ignore[arg-type]
+                      step_s=0.1, record_bytes=20 * MB, base_bytes=100 * MB, base_every=base_every)
+
+
+def test_a_run_root_that_keeps_up_loses_about_a_segment() -> None:
+    b = _bound(bps=400 * MB)  # 200 MB/s of records
+    assert b.keeps_up and b.crash_steps == 1
+    assert b.node_steps == 4 + 2  # the open segment, and the two steps its 80 MB take to write
+    assert b.node_seconds == pytest.approx(0.6)
+    assert "keeps up" in b.text and "at most 1 step" in b.text
+
+
+def test_a_slow_run_root_loses_a_base_interval_and_two_base_writes() -> None:
+    b = _bound(bps=100 * MB)  # half the record rate: bases instead
+    assert not b.keeps_up
+    assert b.node_steps == 10 + 2 * 10  # a base of 100 MB takes 1 s: 10 steps
+    assert "takes bases" in b.text and "does not wait" in b.text
+
+
+def test_bases_sized_by_bytes_are_sized_as_the_recorder_sizes_them() -> None:
+    assert _bound(bps=100 * MB, base_every="bytes").node_steps == 20 + 2 * 10  # 4 x 100 MB / 20 MB
+
+
+def test_without_bases_a_slow_run_root_has_no_bound_and_says_what_to_set() -> None:
+    b = _bound(bps=100 * MB, base_every=None)
+    assert b.node_steps is None and "base_every_n_steps" in b.text
+
+
+def test_every_step_durable_states_what_training_waits() -> None:
+    b = _bound("every_step", bps=100 * MB)
+    assert b.floor_s == pytest.approx(0.1)  # 20 MB at 100 MB/s is 0.2 s, against a 0.1 s step
+    assert b.node_steps == 4 * 3 + 8 and "waits about" in b.text  # three segments queued, one takes 0.8 s
+
+
+def test_without_a_measured_bandwidth_or_a_journal() -> None:
+    assert _bound(bps=None).node_steps is None and "not measured" in _bound(bps=None).text
+    assert _bound(journal=False, bps=400 * MB).crash_steps == 6  # a crash loses what a node loss does
+
+
+def test_the_first_record_states_the_bound_in_the_log_and_the_metrics(tmp_path: Path,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    m, o = make()
+    engine = CheckpointEngine(tmp_path / "run", CheckpointOptions(local_dir=str(tmp_path / "local")))
+    engine.start(m, o, 0)
+    engine.write_base(0, m.state_dict(), [x.state_dict() for x in o], {"x": 0})  # durable: it measures the root
+    with caplog.at_level(logging.INFO, logger="diffckpt"):
+        for step in (1, 2):
+            optimizer_step(m, o, step)
+            engine.record_step(step, {"x": step})
+    stated = [r.getMessage() for r in caplog.records if "a process crash loses at most 1 step" in r.getMessage()]
+    assert len(stated) == 1 and "a node loss loses at most" in stated[0], caplog.text
+    metrics = CheckpointMetrics.of(engine.recorder.writer, 2).as_dict()  # type: ignore[arg-type]
+    assert metrics["diffckpt/crash_loss_bound_steps"] == 1 and metrics["diffckpt/node_loss_bound_steps"] >= 1
+    engine.close()
