@@ -307,10 +307,9 @@ class Recorder:
         self._projected, writer, o = True, self.writer, self.options
         assert writer is not None
         base, every = max(self._base_nbytes, self._base_bytes_now()), self.tuning.settings.base_every_n_steps
-        writer.loss = loss_bound(o, writer.journal is not None, writer.write_batch, writer.stats.durable_bps,
-                                 self.stream.storage.url, step_s=step_s, record_bytes=step_bytes, base_bytes=base,
-                                 base_every=every)
-        log.info("diffckpt: %s", writer.loss.text)
+        writer.state_loss(loss_bound(o, writer.journal is not None, writer.write_batch, writer.stats.durable_bps,
+                                     self.stream.storage.url, step_s=step_s, record_bytes=step_bytes,
+                                     base_bytes=base, base_every=every))
         if self.collects_garbage:
             log.info("diffckpt: %s", session_projection(o, every, step_bytes, base, self._streams))
 

@@ -24,7 +24,7 @@ from .storage import Storage
 if TYPE_CHECKING:  # tree imports torch, which `diffckpt ls` and `gc` do without: imported where records are read
     pass
 
-__all__ = ["RUN_FILE", "RunStore", "session_path", "tuning_path"]
+__all__ = ["RUN_FILE", "RunStore", "loss_path", "session_path", "tuning_path"]
 
 log = logging.getLogger("diffckpt")
 RUN_FILE = "run.json"
@@ -38,6 +38,11 @@ def session_path(gen: int) -> str:
 def tuning_path(gen: int) -> str:
     """Where session ``gen`` keeps the auto-tuner's decisions (rewritten on each change)."""
     return f"sessions/g{gen:06d}.tuning.json"
+
+
+def loss_path(gen: int) -> str:
+    """Where session ``gen`` states what each failure loses, as measured at its first record."""
+    return f"sessions/g{gen:06d}.loss.json"
 
 
 class RunStore:
@@ -111,6 +116,14 @@ class RunStore:
             log.warning("diffckpt: session g%d of %s was just started by another job; taking g%d",
                         gen, self.storage.url, gen + 1)
             gen += 1
+
+    def loss_statement(self, gen: int) -> dict[str, Any] | None:
+        """What session ``gen`` stated each failure loses (``None``: not stated, or unreadable)."""
+        try:
+            body = json.loads(self.storage.read(loss_path(gen)))
+        except (CheckpointNotFoundError, ValueError, RecursionError):
+            return None
+        return body if isinstance(body, dict) and isinstance(body.get("text"), str) else None
 
     def tuning_log(self, gen: int) -> list[dict[str, Any]]:
         """The auto-tuner's decisions in session ``gen``, oldest first (empty without tuning)."""

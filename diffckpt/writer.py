@@ -14,6 +14,8 @@ that no newer session started on the run root, and stops with a
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import threading
 import time
@@ -35,7 +37,7 @@ from .openseg import OpenSegment
 from .options import CheckpointOptions
 from .outage import Outage
 from .recordprep import prepare_record
-from .runstore import RunStore
+from .runstore import RunStore, loss_path
 from .staging import HostStage
 from .storage import Storage
 from .storage.retry import RetryingStorage
@@ -162,6 +164,14 @@ class BackgroundWriter:
         up with the new restorable steps at once: records left pending from the old settings
         would otherwise stretch the first segment to nearly twice its size."""
         self._put("retarget", write_batch, 0)  # in order: records queued before keep the old rule
+
+    def state_loss(self, bound: LossBound) -> None:
+        """Take what each failure loses (stated at the first record): logged, in the metrics, and
+        written for ``diffckpt ls`` (``sessions/g<gen>.loss.json``) by the writer thread, which cuts no
+        segment for it (as :meth:`call` would)."""
+        self.loss = bound
+        log.info("diffckpt: %s", bound.text)
+        self._put("note", (loss_path(self.gen), json.dumps(dataclasses.asdict(bound)).encode()), 0)
 
     def call(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the writer thread after everything queued before it is durable."""
@@ -316,6 +326,8 @@ class BackgroundWriter:
             item()
         elif kind == "flush":
             self._write_segment()
+        elif kind == "note":  # a small object beside the data (fenced and retried like it)
+            self._committer.write(*item)
         elif kind == "retarget":
             self.write_batch, self._cut_next = item, True
 

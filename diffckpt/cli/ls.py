@@ -121,7 +121,7 @@ def describe(store: RunStore, inv: Inventory, local_dir: str | None = None) -> d
             "options": meta.get("options", {}), "optimizers": meta.get("optimizers", []),
             "framework": meta.get("framework"), "codec": meta.get("codec"), "durable": inv.durable_spans(gen),
             "newest_step": newest, "ckpt_path": None if newest is None else f"{url}/step={newest}",
-            "damaged": bool(meta.get("damaged")), "tuning": store.tuning_log(gen)})
+            "damaged": bool(meta.get("damaged")), "tuning": store.tuning_log(gen), "loss": store.loss_statement(gen)})
     bases: list[dict[str, Any]] = [
         {"step": b.step, "gen": b.gen, "path": b.dir,
          "bytes": sum(n for p, n in sizes.items() if p.startswith(b.dir + "/")),
@@ -192,6 +192,8 @@ def render(d: dict[str, Any]) -> str:
                                                  if _shown(k, v, s["options"]))
               + (f" codec={_codec_name(s['codec'])}" if s["codec"] else "")
               for s in d["sessions"] if s["options"]]
+    lines += [f"  g{s['gen']} loss per failure (measured at its first step): {s['loss']['text']}"
+              for s in d["sessions"] if s.get("loss")]
     lines += [f"  g{s['gen']} auto-tuned: " + "; ".join(
         f"step {t.get('step')}: " + " ".join(f"{k}={v}" for k, v in (t.get("settings") or {}).items())
         + (f" ({say_risk(t['loss_per_failure'])})" if t.get("loss_per_failure") else "")
