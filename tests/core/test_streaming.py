@@ -85,8 +85,10 @@ def test_held_bytes_stay_within_the_bound_whatever_the_batch(
     assert_state(truth, result, module, optimizers)
 
 
-def test_an_open_segment_is_a_hidden_spool_beside_its_final_name(tmp_path: Path, writers: list[BackgroundWriter]
-                                                                  ) -> None:
+def test_an_open_segment_is_a_hidden_spool_beside_its_final_name(tmp_path: Path, writers: list[BackgroundWriter],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the node-local tier on disk (a tier held in memory keeps the spools itself)."""
+    monkeypatch.setattr("diffckpt.journal.memory_backed", lambda folder: False)
     module, optimizers = wide()
     engine = CheckpointEngine(tmp_path, CheckpointOptions(write_batch=100, base_every_n_steps=1000, retention=None))
     engine.start(module, optimizers, 0)
