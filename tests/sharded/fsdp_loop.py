@@ -39,7 +39,9 @@ from diffckpt import CheckpointEngine, CheckpointOptions
 from diffckpt.rng import set_rng_state
 
 # retention=None: the tests restore older steps of a run, which the default retention would trim.
-OPTIONS = {"write_batch": 2, "base_every_n_steps": 4, "fingerprint_every_n_steps": 3, "retention": None}
+# every_step: the runs restore every step, which a paced run root that falls behind would not keep
+OPTIONS = {"write_batch": 2, "base_every_n_steps": 4, "fingerprint_every_n_steps": 3, "retention": None,
+           "durability": "every_step"}
 
 
 class Stalling:

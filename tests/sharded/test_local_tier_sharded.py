@@ -7,8 +7,9 @@ The job is killed at an instant that is stable, not a race: rank 0's upload of i
 is held forever (``--stall``), so rank 0's writer queues segment 6-8 and base 8 behind it,
 journals steps 9 and 10, and then waits to hand over segment 8-10 (two commits wait already); its
 journals hold steps 5..10 for good and its run root ends at base 4. Rank 1 writes on (its run root
-at step 10 or later) until it waits for rank 0. Journals go to ``TMPDIR`` (``local_dir="auto"``),
-a folder of the test's own.
+at step 10 or later) until it waits for rank 0. Journals go where ``DIFFCKPT_LOCAL_DIR`` says (``local_dir="auto"``),
+a folder of the test's own. Every step is durable (``durability="every_step"``, ``fsdp_loop.py``):
+paced, rank 0's writer would not wait behind its held upload.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def journaled(folder: Path) -> list[int]:
 
 def resume(out: Path, root: Path, tmp: Path) -> str:
     rc, log = run_script(SCRIPT, [str(out), "--steps", str(STEPS), "--root", str(root), "--resume"],
-                         env={"TMPDIR": str(tmp)}, timeout=300)
+                         env={"TMPDIR": str(tmp), "DIFFCKPT_LOCAL_DIR": str(tmp)}, timeout=300)
     assert rc == 0, log
     return log
 
@@ -72,7 +73,7 @@ def test_one_ranks_journal_missing(uninterrupted: Path, tmp_path: Path) -> None:
     rank1_at_10 = root / "ranks/r00001/diffs/000000000008-000000000010.g000001.seg"
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, SCRIPT), str(tmp_path / "a"), "--steps", str(STEPS),
                              "--root", str(root), "--stall", "0:diffs/000000000004-"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=script_env({"TMPDIR": str(tmp)}),
+                            stderr=subprocess.STDOUT, text=True, env=script_env({"TMPDIR": str(tmp), "DIFFCKPT_LOCAL_DIR": str(tmp)}),
                             start_new_session=True)
     deadline = time.monotonic() + 120
     try:
