@@ -57,7 +57,7 @@ bench-scale: $(VENV)/.installed-bench
 
 # Fast steps emulated on the CPU (docs/benchmarks.md, "Fast steps"): the device's time a sleep, real
 # GPT-2 gradients, a run root paced to 100 MB/s; then kill -9 and resume, with and without the
-# node-local tier. About 10 minutes; configurations with --config NAME:key=value,... (CheckpointOptions).
+# node-local tier. About 17 minutes here; configurations: --config NAME:key=value,... (CheckpointOptions).
 .PHONY: bench-fast-steps
 bench-fast-steps: $(STAMP)
 	$(BIN)/python bench/fast_steps.py
