@@ -4,7 +4,7 @@ and the training thread waits, and what a crash loses.
 On a GPU the training thread spends most of a step idle, waiting for the device. Here that
 device time is a ``time.sleep(--device-ms)``, and the gradients are REAL: a GPT-2
 (``transformers.GPT2LMHeadModel`` from a ``GPT2Config``, no download; by default 4 layers x 384
-wide, about 27M parameters) runs forward and backward under bf16 autocast on the CPU before any
+wide, 26.4M parameters) runs forward and backward under bf16 autocast on the CPU before any
 clock starts, for ``--grad-sets`` distinct batches (random tensors would compress differently and
 hide what zstd costs). Each timed step then does what a GPU loop's training thread does around
 the device's work:
@@ -35,8 +35,12 @@ node-local step (the journal), each as a lag in steps and in seconds (how long b
 end the step they hold was committed); the writer's stall seconds (training waiting for it) and
 write seconds (``WriterStats``).
 
-``--kill`` is the correctness mode instead: for each diffckpt configuration, a run that never
-imports diffckpt (the reference), then a run killed with SIGKILL (it and every descendant) at
+The children run with glibc's large allocations cached (``MALLOC_CACHE``; ``--no-malloc-cache``):
+a GPU loop's fresh gradients come from the caching allocator, not from pages mapped anew.
+
+``--kill`` is the correctness mode instead (SGD with momentum 0.9 there, so that the optimizer has
+state to compare): for each diffckpt configuration, a run that never imports diffckpt (the
+reference), then a run killed with SIGKILL (it and every descendant) at
 step ``--kill-at`` of ``--kill-steps`` and resumed (``engine.resume``) to the end, compared with
 ``torch.equal`` on every tensor of the model and optimizer; and the same with the node-local
 tier's folder deleted before the resume (the job resumed on another node, from the run root
@@ -476,7 +480,7 @@ def kill_one(args: argparse.Namespace, common: dict[str, Any], workdir: str, nam
     if scenario == "local tier gone" and folder is None:
         shutil.rmtree(root, ignore_errors=True)
         return {**row, "status": "skipped", "note": "no node-local tier (local_dir=None)"}
-    final = os.path.join(root + "-final.pt")
+    final = root + "-final.pt"
     try:
         spec = {**common, "kwargs": kwargs, "root": root}
         rc, log = spawn({**spec, "mode": "kill"}, args.timeout, kill_at=args.kill_at)
