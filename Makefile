@@ -55,6 +55,14 @@ bench-local-tier: $(VENV)/.installed-bench
 bench-scale: $(VENV)/.installed-bench
 	$(BIN)/python bench/scale.py --size 124m --rounds 3 --plot docs/scale-rss-124m.png
 
+# Fast steps emulated on the CPU (docs/benchmarks.md, "Fast steps"): the device's time a sleep, real
+# GPT-2 gradients, a run root paced to 100 MB/s; then kill -9 and resume, with and without the
+# node-local tier. About 17 minutes here; configurations: --config NAME:key=value,... (CheckpointOptions).
+.PHONY: bench-fast-steps
+bench-fast-steps: $(STAMP)
+	$(BIN)/python bench/fast_steps.py
+	$(BIN)/python bench/fast_steps.py --kill
+
 # The GPU check (docs/gpu.md). On the GPU machine, with its own python3 and no network:
 #   make gpu-check            (the wheels of `make gpu-wheels` in .gpu-wheels/ travel along)
 # Here, or in make test: `make gpu-check DRY=1` runs every part on the CPU with tiny sizes.

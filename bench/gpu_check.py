@@ -3,7 +3,7 @@
 Made for a GPU machine lent now and then, with no network and the machine's own ``python3``
 (docs/gpu.md). It puts this checkout on the path without a build, installs what the machine lacks
 from the wheels ``make gpu-wheels`` fetched (``.gpu-wheels/``, carried along) into ``.gpu-site/``,
-then runs five parts, each even if an earlier one failed, each bounded in time:
+then runs six parts, each even if an earlier one failed, each bounded in time:
 
 1. ``environment``: the device, the packages, and each declared version range of pyproject.toml
    against what is installed;
@@ -14,10 +14,14 @@ then runs five parts, each even if an earlier one failed, each bounded in time:
    over ``CheckpointEngine`` with AdamW's default, foreach and fused implementations, Lightning
    with ``bf16-mixed`` and ``16-mixed``, Accelerate;
 4. ``overhead``: a diff every step on GPT-2 124M shapes with bf16 autocast and a batch that keeps
-   the device busy about 100 ms a step, against no checkpointing and DCP ``async_save`` every
-   step and every 10 steps, in one run (``bench/gpu_scale.py``);
+   the device busy about 100 ms a step, with the default options and with
+   ``durability="every_step"`` (skipped, with a note, where the options have no ``durability``),
+   against no checkpointing and DCP ``async_save`` every step and every 10 steps, in one run
+   (``bench/gpu_scale.py``); for diffckpt, the durable and node-local steps when the loop ended
+   and the writer's stall seconds;
 5. ``restore``: the newest step of that run restored on the device, checked bitwise, against
-   ``torch.load`` of the full state plus one bare optimizer step per replayed step.
+   ``torch.load`` of the full state plus one bare optimizer step per replayed step;
+6. ``kill-124m``: the kill -9 and resume of part 3 at GPT-2 124M (``gpu_runs.py``'s ``gpt2``).
 
 It writes ``gpu-check.md`` and ``gpu-check.json`` to ``--out`` (default ``$OUT`` when set, else
 ``bench/results/gpu-check/``), prints a one-screen summary and exits 1 if a part failed. Without
@@ -58,13 +62,17 @@ NEEDED = {  # import name -> distribution, for everything the parts import
     "xxhash": "xxhash", "tqdm": "tqdm", "lightning": "lightning", "torchdata": "torchdata",
     "accelerate": "accelerate", "transformers": "transformers", "pytest": "pytest",
 }
-PARTS = ["environment", "cuda-tests", "kill-resume", "overhead", "restore"]
+PARTS = ["environment", "cuda-tests", "kill-resume", "overhead", "restore", "kill-124m"]
 # What each part may count on, of 480 s: a part may use what earlier parts left, never what the
-# parts after it are counting on (budget()).
-ALLOTTED = {"environment": 20, "cuda-tests": 80, "kill-resume": 120, "overhead": 200, "restore": 60}
+# parts after it are counting on (budget()). The last run on an H100 took 0, 18, 42, 159 and
+# 41 s for the first five (before diffckpt-every-step and kill-124m).
+ALLOTTED = {"environment": 10, "cuda-tests": 40, "kill-resume": 60, "overhead": 200, "restore": 60,
+            "kill-124m": 110}
 # How the overhead part's time is shared: diffckpt's run writes its starting base, flushes at the
 # end and saves the trained state for the restore part (1.5 GB at 124M), so it needs the most.
-OVERHEAD_SHARES = {"none": 1.0, "diffckpt": 1.3, "dcp-10": 0.8, "dcp-1": 1.0}
+OVERHEAD_SHARES = {"none": 1.0, "diffckpt": 1.3, "diffckpt-every-step": 1.0, "dcp-10": 0.8, "dcp-1": 1.0}
+# The kill-124m part: GPT-2 124M killed at step KILL_124M[1] of KILL_124M[0] (dry run: tiny, 12 and 9).
+KILL_124M = (20, 13)
 
 
 @dataclass
@@ -260,23 +268,19 @@ def cuda_tests(s: Settings, part: Part) -> None:
 
 
 # ------------------------------------------------------------------------------ 3. kill / resume
-def kill_resume(s: Settings, part: Part) -> None:
-    from gpu_runs import CUDA_ONLY, SCENARIOS
-
-    steps = 12 if s.dry else 40
-    kill_at = steps // 2 + 3
-    timeout = s.budget(part.name)
-    part.details["steps"], part.details["kill_at"] = steps, kill_at
-    todo = [sc for sc in SCENARIOS if s.device == "cuda" or sc not in CUDA_ONLY]
-
-    def scenario(name: str) -> dict[str, Any]:
-        folder = os.path.join(s.workdir, name)
-        os.makedirs(folder, exist_ok=True)
-        args = [name, "--device", s.device, "--steps", str(steps)]
-        run_dir = os.path.join(folder, "run")
-        out = {n: os.path.join(folder, f"{n}.pt") for n in ("reference", "killed", "resumed", "control")}
-        left = lambda: max(1.0, timeout - (time.monotonic() - t0))  # noqa: E731
-        t0 = time.monotonic()
+def kill_and_resume(s: Settings, name: str, steps: int, kill_at: int, timeout: float,
+                    extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Scenario ``name`` of ``gpu_runs.py``: a reference run that never imports diffckpt beside a
+    run killed with SIGKILL at step ``kill_at`` of ``steps``, that run resumed, and the two final
+    states compared; on a difference, a second plain run says whether training is deterministic."""
+    folder = os.path.join(s.workdir, name)
+    os.makedirs(folder, exist_ok=True)
+    args = [name, "--device", s.device, "--steps", str(steps), *extra]
+    run_dir = os.path.join(folder, "run")
+    out = {n: os.path.join(folder, f"{n}.pt") for n in ("reference", "killed", "resumed", "control")}
+    left = lambda: max(1.0, timeout - (time.monotonic() - t0))  # noqa: E731
+    t0 = time.monotonic()
+    try:
         with ThreadPoolExecutor(2) as pool:  # the reference and the run to kill are independent
             ref = pool.submit(run_child, python("gpu_runs.py", *args, "--out", out["reference"]), s.env, left())
             killed = run_child(python("gpu_runs.py", *args, "--out", out["killed"], "--run-dir", run_dir),
@@ -287,7 +291,10 @@ def kill_resume(s: Settings, part: Part) -> None:
             return {**row, "status": "failed", "note": f"the reference run failed: {reference.tail()}"}
         if killed.rc != -9:
             return {**row, "status": "failed", "note": f"the run to kill ended with {killed.rc}: {killed.tail()}"}
-        row["killed_at"] = max(int(n.split()[0]) for n in killed.lines("STEP "))
+        last = max((n.split() for n in killed.lines("STEP ")), key=lambda f: int(f[0]))
+        row["killed_at"] = int(last[0])
+        if len(last) >= 5:  # the plain loops say how far each tier got: "<n> durable <d> local <l>"
+            row["durable_at_kill"], row["local_at_kill"] = int(last[2]), int(last[4])
         resumed = run_child(python("gpu_runs.py", *args, "--out", out["resumed"], "--run-dir", run_dir, "--resume"),
                             s.env, left())
         if resumed.rc != 0:
@@ -306,6 +313,18 @@ def kill_resume(s: Settings, part: Part) -> None:
         why = ("; two plain runs agree, so diffckpt's resume differs" if same is None else
                f"; two plain runs differ too ({same}): training is not deterministic here")
         return {**row, "status": "failed", "note": problem + why}
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)  # at 124M a run root holds gigabytes
+
+
+def kill_resume(s: Settings, part: Part) -> None:
+    from gpu_runs import CUDA_ONLY, SCENARIOS
+
+    steps = 12 if s.dry else 40
+    kill_at = steps // 2 + 3
+    timeout = s.budget(part.name)
+    part.details["steps"], part.details["kill_at"] = steps, kill_at
+    todo = [sc for sc in SCENARIOS if s.device == "cuda" or sc not in CUDA_ONLY]
 
     # A GPU machine has the cores: every scenario at once (2 processes each, about 0.5 GB of device
     # memory apiece), unless the device takes one process at a time. Here: 2 processes at a time.
@@ -313,7 +332,7 @@ def kill_resume(s: Settings, part: Part) -> None:
     workers = len(todo) if s.device == "cuda" and not exclusive else 1
     part.details["parallel"] = workers
     with ThreadPoolExecutor(workers) as pool:
-        rows = list(pool.map(guarded(scenario), todo))
+        rows = list(pool.map(guarded(lambda name: kill_and_resume(s, name, steps, kill_at, timeout)), todo))
     rows += [{"scenario": sc, "status": "skipped", "note": CUDA_ONLY[sc]} for sc in SCENARIOS if sc not in todo]
     part.details["scenarios"] = rows
     failed = [r["scenario"] for r in rows if r["status"] == "failed"]
@@ -323,6 +342,22 @@ def kill_resume(s: Settings, part: Part) -> None:
     part.summary = (f"{len(passed)} of {len(rows)} scenarios bitwise equal after kill -9 at step {kill_at}"
                     + (f" (steps lost: {min(lost)}-{max(lost)})" if lost else "")
                     + (f"; failed: {', '.join(failed)}" if failed else ""))
+
+
+def kill_124m(s: Settings, part: Part) -> None:
+    """``gpu_runs.py``'s ``gpt2`` scenario at GPT-2 124M (tiny in the dry run): the kill -9 and
+    resume of the kill-resume part, at the size the overhead part measures."""
+    steps, kill_at = (12, 9) if s.dry else KILL_124M
+    size = "tiny" if s.dry else "124m"
+    row = guarded(lambda name: kill_and_resume(s, name, steps, kill_at, s.budget(part.name),
+                                               ("--size", size)))("gpt2")
+    part.details.update(row=row, steps=steps, kill_at=kill_at, size=size)
+    part.status = "passed" if row["status"] == "passed" else "failed"
+    tiers = (f" (durable step {row['durable_at_kill']}, node-local step {row['local_at_kill']} when killed)"
+             if "local_at_kill" in row else "")
+    part.summary = (f"GPT-2 {size} killed at step {row.get('killed_at', '?')} of {steps}{tiers}, resumed from "
+                    f"{row.get('resumed_from', '?')} ({row.get('steps_lost', '?')} steps lost): "
+                    + ("bitwise equal" if part.status == "passed" else str(row.get("note", ""))[:600]))
 
 
 def guarded(fn: Callable[[str], dict[str, Any]]) -> Callable[[str], dict[str, Any]]:
@@ -366,15 +401,18 @@ def result_of(child: Child, what: str) -> dict[str, Any]:
 
 
 def overhead(s: Settings, part: Part) -> None:
-    from gpu_scale import CONFIGS
+    from gpu_scale import CONFIGS, options_missing
 
     end = time.monotonic() + s.budget(part.name)
     runs: dict[str, dict[str, Any]] = {}
     errors: dict[str, str] = {}
+    # a configuration of options this checkout lacks (durability="every_step" before it lands)
+    skipped = {c: why for c in CONFIGS if (why := options_missing(c))}
+    configs = [c for c in CONFIGS if c not in skipped]
     batch = "4" if s.dry else "auto"
-    for i, config in enumerate(CONFIGS):  # "none" first: it picks the batch the others use
+    for i, config in enumerate(configs):  # "none" first: it picks the batch the others use
         # a slow one cannot starve the next: each takes its share of what is left
-        share = (end - time.monotonic()) * OVERHEAD_SHARES[config] / sum(OVERHEAD_SHARES[c] for c in CONFIGS[i:])
+        share = (end - time.monotonic()) * OVERHEAD_SHARES[config] / sum(OVERHEAD_SHARES[c] for c in configs[i:])
         child = run_child(python("gpu_scale.py", "train", config, "--workdir", s.workdir, "--batch", batch,
                                  *scale_args(s)), s.env, max(1.0, share))
         try:
@@ -391,14 +429,18 @@ def overhead(s: Settings, part: Part) -> None:
             r["ratio_with_flush"] = (r["total_s"] / r["steps"]) / (base["total_s"] / base["steps"])
             if r["device_peak"] is not None:
                 r["device_held"] = max(0, r["device_peak"] - base["device_peak"])  # peaks vary a little
-    part.details.update(runs=runs, errors=errors, batch=batch)
+    part.details.update(runs=runs, errors=errors, batch=batch, skipped=skipped)
     part.status = "failed" if errors or not base else "passed"
     if base:
         part.summary = f"{base['params'] / 1e6:.1f}M parameters, batch {base['batch']}, " \
                        f"{base['s_per_step'] * 1000:.0f} ms/step without checkpointing; " + ", ".join(
-                           f"{c} {r['ratio']:.2f}x" for c, r in runs.items() if c != "none")
+                           f"{c} {r['ratio']:.2f}x" + (f" (stall {r['writer']['stall_seconds']:.1f} s)"
+                                                       if "stall_seconds" in r.get("writer", {}) else "")
+                           for c, r in runs.items() if c != "none")
     if errors:
         part.summary += ("; " if part.summary else "") + "failed: " + ", ".join(errors)
+    if skipped:
+        part.summary += ("; " if part.summary else "") + "skipped: " + ", ".join(skipped)
 
 
 def restore(s: Settings, part: Part) -> None:
@@ -412,6 +454,7 @@ def restore(s: Settings, part: Part) -> None:
                                        "--steps-replayed", str(ours["replayed"]), "--base-step",
                                        str(ours["base_step"]), *scale_args(s)),
                                 s.env, max(1.0, end - time.monotonic())), "limit")
+    shutil.rmtree(os.path.join(s.workdir, "diffckpt"), ignore_errors=True)  # gigabytes at 124M
     ratio = ours["seconds"] / limit["seconds"]
     part.details.update(diffckpt=ours, limit=limit, ratio=ratio)
     part.status = "passed" if ours["exact"] else "failed"
@@ -424,7 +467,7 @@ def restore(s: Settings, part: Part) -> None:
 # ------------------------------------------------------------------------------------- the run
 RUNNERS: dict[str, Callable[[Settings, Part], None]] = {
     "environment": environment, "cuda-tests": cuda_tests, "kill-resume": kill_resume,
-    "overhead": overhead, "restore": restore,
+    "overhead": overhead, "restore": restore, "kill-124m": kill_124m,
 }
 
 
@@ -503,9 +546,10 @@ def report(parts: list[Part], info: dict[str, Any]) -> str:
     if kr and kr.details.get("scenarios"):
         lines += ["", "## kill -9 and resume", "", f"{kr.details['steps']} steps, SIGKILL at step "
                   f"{kr.details['kill_at']}, every tensor compared with `torch.equal` against a run without diffckpt.", "",
-                  "| scenario | outcome | killed at | resumed from | steps lost | tensors | note |",
-                  "|---|---|---:|---:|---:|---:|---|"]
-        lines += [f"| {r['scenario']} | {r['status']} | {r.get('killed_at', '—')} | {r.get('resumed_from', '—')} | "
+                  "| scenario | outcome | killed at | durable / node-local step then | resumed from | steps lost | "
+                  "tensors | note |", "|---|---|---:|---|---:|---:|---:|---|"]
+        lines += [f"| {r['scenario']} | {r['status']} | {r.get('killed_at', '—')} | "
+                  f"{r.get('durable_at_kill', '—')} / {r.get('local_at_kill', '—')} | {r.get('resumed_from', '—')} | "
                   f"{r.get('steps_lost', '—')} | {r.get('tensors', '—')} | {str(r.get('note', '')).replace('|', '/')[:300]} |"
                   for r in kr.details["scenarios"]]
     ov = by.get("overhead")
@@ -518,6 +562,20 @@ def report(parts: list[Part], info: dict[str, Any]) -> str:
                          f"{size(r['device_peak'])} | {size(r.get('device_held'))} | {size(r['rss_peak'])} | "
                          f"{size(r['bytes_per_step'])} | {r['not_durable_at_loop_end'] if r['not_durable_at_loop_end'] is not None else '—'} |")
         lines += [f"- {c} failed: {e[:400]}" for c, e in ov.details.get("errors", {}).items()]
+        lines += [f"- {c} skipped: {why}" for c, why in ov.details.get("skipped", {}).items()]
+        tiers = {c: r for c, r in ov.details["runs"].items() if "durable_lag_steps" in r}
+        if tiers:
+            lines += ["", "The tiers when the loop ended (lag behind the last step, in steps and in seconds since "
+                      "that step was committed) and the writer (`WriterStats`; stall: training waiting for it):", "",
+                      "| configuration | durable step | lag steps | lag s | node-local step | lag steps | lag s | "
+                      "stall s | write s | segments | bases |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            for c, r in tiers.items():
+                w = r.get("writer", {})
+                lines.append(f"| {c} | {dash(r['durable_step'])} | {dash(r['durable_lag_steps'])} | "
+                             f"{dash(r['durable_lag_s'], '.2f')} | {dash(r['local_step'])} | {dash(r['local_lag_steps'])} | "
+                             f"{dash(r['local_lag_s'], '.2f')} | {dash(w.get('stall_seconds'), '.2f')} | "
+                             f"{dash(w.get('write_seconds'), '.2f')} | {size(w.get('segment_bytes'))} | "
+                             f"{size(w.get('base_bytes'))} |")
     rs = by.get("restore")
     if rs and rs.details.get("diffckpt"):
         lines += ["", "## Restore", "", "| | seconds | steps | peak RSS | device peak | exact |", "|---|---:|---:|---:|---:|---|"]
@@ -525,7 +583,20 @@ def report(parts: list[Part], info: dict[str, Any]) -> str:
             r = rs.details[name]
             lines.append(f"| {name} | {r['seconds']:.3f} | {r['steps']} | {size(r['rss_peak'])} | {size(r['device_peak'])} | "
                          f"{'—' if r['exact'] is None else r['exact']} |")
+    big = by.get("kill-124m")
+    if big and big.details.get("row"):
+        r = big.details["row"]
+        lines += ["", "## kill -9 and resume at GPT-2 124M", "", f"{big.summary}.", "",
+                  "| scenario | outcome | killed at | durable / node-local step then | resumed from | steps lost | "
+                  "tensors |", "|---|---|---:|---|---:|---:|---:|",
+                  f"| {r['scenario']} ({big.details['size']}) | {r['status']} | {r.get('killed_at', '—')} | "
+                  f"{r.get('durable_at_kill', '—')} / {r.get('local_at_kill', '—')} | {r.get('resumed_from', '—')} | "
+                  f"{r.get('steps_lost', '—')} | {r.get('tensors', '—')} |"]
     return "\n".join(lines) + "\n"
+
+
+def dash(x: Any, spec: str = "") -> str:
+    return "—" if x is None else format(x, spec)
 
 
 def write_report(out: str, parts: list[Part], info: dict[str, Any]) -> None:

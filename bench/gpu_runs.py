@@ -13,7 +13,11 @@ Scenarios: ``plain-single`` / ``plain-foreach`` / ``plain-fused`` (a hand-writte
 foreach on CUDA and single-tensor on the CPU),
 ``lightning-bf16`` / ``lightning-16`` (``Trainer`` with ``bf16-mixed``, and ``16-mixed`` with its
 gradient scaler), ``accelerate`` (``Accelerator(mixed_precision="bf16")`` and
-``accelerate_ckpt.DiffCheckpointer``).
+``accelerate_ckpt.DiffCheckpointer``). ``gpt2`` (not among the tiny scenarios: ``make gpu-check``'s
+``kill-124m`` part) is the plain loop over GPT-2 at ``--size`` (``bench/gpu_scale.py``'s sizes,
+``124m`` on the GPU, a ``GPT2Config`` with eager attention, no download) with bf16 autocast and
+AdamW's default implementation. The plain loops print each step's durable and node-local steps
+after it: ``STEP <n> durable <d> local <l>``.
 
 Every run sets ``torch.use_deterministic_algorithms(True)`` (with ``CUBLAS_WORKSPACE_CONFIG``),
 the settings under which two plain runs on one device are bitwise identical.
@@ -28,13 +32,15 @@ import time
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "examples"), os.path.join(ROOT, "bench")]
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts: cuBLAS is deterministic
 
 SCENARIOS = ["plain-single", "plain-foreach", "plain-fused", "lightning-bf16", "lightning-16", "accelerate"]
 CUDA_ONLY = {"lightning-16": "16-mixed (fp16 with a gradient scaler) runs only on CUDA"}
+LARGE = ["gpt2"]  # a scenario of its own part: GPT-2 at --size
 SIZE = "tiny"  # gpt.py's preset: the check is about exactness, not speed
 WRITE_BATCH = 4
+GPT2_BATCH = 2  # sequences per step of the gpt2 scenario: exactness at the model's size, not speed
 
 
 def to_cpu(tree: Any) -> Any:
@@ -66,13 +72,52 @@ def plain(args: argparse.Namespace) -> dict[str, Any]:
     model = GPT(SIZE, total_steps=args.steps).to(args.device)
     flags = {"single": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[impl]
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, **flags)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
     cfg = model.cfg
 
     def batch(step: int) -> torch.Tensor:  # the data of a step depends on the step alone
         g = torch.Generator().manual_seed(1000 + step)
         return torch.randint(0, cfg.vocab, (cfg.batch_size, cfg.ctx + 1), generator=g).to(args.device)
 
+    def loss_of(x: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(model(x[:, :-1]).reshape(-1, cfg.vocab), x[:, 1:].reshape(-1))
+
+    return loop(args, model, opt, batch, loss_of)
+
+
+def gpt2(args: argparse.Namespace) -> dict[str, Any]:
+    """GPT-2 at ``--size`` (eager attention: every kernel of it has a deterministic implementation
+    on CUDA), bf16 autocast, AdamW's default implementation (foreach on CUDA)."""
+    import torch
+    from gpu_scale import SIZES
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    layers, dim, heads, vocab, ctx = SIZES[args.size]
+    cfg = GPT2Config(n_layer=layers, n_embd=dim, n_head=heads, vocab_size=vocab, n_positions=ctx,
+                     bos_token_id=vocab - 1, eos_token_id=vocab - 1)
+    cfg._attn_implementation = "eager"
+    model = GPT2LMHeadModel(cfg).to(args.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+
+    def batch(step: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(1000 + step)
+        return torch.randint(0, vocab, (GPT2_BATCH, ctx), generator=g).to(args.device)
+
+    def loss_of(ids: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(args.device, dtype=torch.bfloat16):
+            return model(input_ids=ids, labels=ids).loss
+
+    return loop(args, model, opt, batch, loss_of)
+
+
+def loop(args: argparse.Namespace, model: Any, opt: Any, batch: Any, loss_of: Any) -> dict[str, Any]:
+    """The hand-written loop over ``CheckpointEngine`` (with ``--run-dir``): clipping, a warm-up
+    schedule, a diff every step; the state a resume restores besides model and optimizer is the
+    scheduler and the RNG."""
+    import torch
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
     engine, source, step = None, None, 0
     if args.run_dir:
         from diffckpt import CheckpointEngine, CheckpointOptions
@@ -99,7 +144,7 @@ def plain(args: argparse.Namespace) -> dict[str, Any]:
         step += 1
         x = batch(step)
         opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x[:, :-1]).reshape(-1, cfg.vocab), x[:, 1:].reshape(-1))
+        loss = loss_of(x)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -107,7 +152,9 @@ def plain(args: argparse.Namespace) -> dict[str, Any]:
         if engine is not None:
             engine.commit(step, source)
             keep_up(engine, step, args)
-            print(f"STEP {step}", flush=True)
+            tiers = engine.metrics()
+            print(f"STEP {step} durable {tiers.get('diffckpt/durable_step', -1):.0f} "
+                  f"local {tiers.get('diffckpt/local_step', -1):.0f}", flush=True)
     if engine is not None:
         engine.end()
     return {"model": model.state_dict(), "optimizers": [opt.state_dict()], "schedulers": [sched.state_dict()],
@@ -212,9 +259,10 @@ def accelerate(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("scenario", choices=SCENARIOS)
+    ap.add_argument("scenario", choices=SCENARIOS + LARGE)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--size", default="124m", help="the gpt2 scenario's size (bench/gpu_scale.py's SIZES)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--run-dir")
     ap.add_argument("--resume", action="store_true", help="resume from the run root's newest durable step")
@@ -224,7 +272,7 @@ def main() -> None:
     torch.manual_seed(0)
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
-    run = {"plain": plain, "lightning": lightning, "accelerate": accelerate}[args.scenario.split("-")[0]]
+    run = {"plain": plain, "lightning": lightning, "accelerate": accelerate, "gpt2": gpt2}[args.scenario.split("-")[0]]
     torch.save(to_cpu(run(args)), args.out)
     print("DONE", flush=True)
 

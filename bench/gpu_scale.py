@@ -6,12 +6,18 @@ one configuration per process. Each run prints one ``RESULT {json}`` line.
     python bench/gpu_scale.py restore diffckpt|limit --workdir DIR  # after ``train diffckpt``
 
 ``train`` configurations: ``none`` (no checkpointing, the baseline), ``diffckpt`` (a diff every
-step with ``CheckpointEngine``'s default options), ``dcp-10`` and ``dcp-1``
+step with ``CheckpointEngine``'s default options), ``diffckpt-every-step`` (the same with
+``CheckpointOptions(durability="every_step")``: every step durable before training goes on;
+refused where this checkout's options have no ``durability``), ``dcp-10`` and ``dcp-1``
 (``torch.distributed.checkpoint.async_save`` of the model and optimizer every 10 steps and every
 step, the previous save awaited first, older saves deleted). Timed: the ``--steps`` steps after
 ``--warmup``, from a device synchronisation to the end of the loop (``loop_s``) and to the end
 of the final flush or save (``total_s``). Also reported: the peak device memory allocated over
-the timed window, the process's peak RSS and the bytes written.
+the timed window, the process's peak RSS and the bytes written; for diffckpt, the durable step
+(the run root) and the node-local step (the journal) when the loop ended, each as a lag in steps
+and in seconds (how long before the loop's end the step it holds was committed), and the writer's
+counters (``WriterStats``: ``stall_seconds``, training waiting for the writer; ``write_seconds``;
+segment and base bytes).
 
 ``--batch auto`` (the ``none`` run only) picks the batch that keeps the device busy for about
 ``--target-ms`` a step and prints it; the parent passes it to the other runs.
@@ -41,7 +47,21 @@ SIZES = {  # GPT2Config: n_layer, n_embd, n_head, vocab, tokens per sequence
     "350m": (24, 1024, 16, 50257, 1024),
     "tiny": (2, 64, 2, 512, 64),  # the dry run on a CPU
 }
-CONFIGS = ["none", "diffckpt", "dcp-10", "dcp-1"]  # the slowest last
+CONFIGS = ["none", "diffckpt", "diffckpt-every-step", "dcp-10", "dcp-1"]  # the slowest last
+# The diffckpt configurations, as CheckpointOptions keyword arguments.
+DIFFCKPT = {"diffckpt": {}, "diffckpt-every-step": {"durability": "every_step"}}
+
+
+def options_missing(config: str) -> str | None:
+    """Why this checkout cannot run the diffckpt configuration ``config`` (an option its
+    ``CheckpointOptions`` lacks), or ``None``."""
+    import dataclasses
+
+    from diffckpt import CheckpointOptions
+
+    fields = {f.name for f in dataclasses.fields(CheckpointOptions)}
+    lacking = sorted(set(DIFFCKPT.get(config, {})) - fields)
+    return f"CheckpointOptions has no {', '.join(lacking)} in this checkout" if lacking else None
 
 
 def rss_peak() -> int:
@@ -123,8 +143,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     root = os.path.join(args.workdir, args.config)
     os.makedirs(root, exist_ok=True)
     engine = save = None
-    if args.config == "diffckpt":
-        from diffckpt import CheckpointEngine
+    if args.config in DIFFCKPT:
+        from diffckpt import CheckpointEngine, CheckpointOptions
+
+        missing = options_missing(args.config)
+        if missing:
+            raise SystemExit(f"{args.config}: {missing}")
 
         class Source:  # nothing beyond model and optimizer: the data depend on the step alone
             def rank_state(self) -> Any:
@@ -133,7 +157,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             def state(self, ranks: list[Any]) -> Any:
                 return {}
 
-        engine, source = CheckpointEngine(root), Source()
+        engine, source = CheckpointEngine(root, CheckpointOptions(**DIFFCKPT[args.config])), Source()
         engine.begin(model, [opt], 0, source)
     elif args.config.startswith("dcp-"):
         import torch.distributed.checkpoint as dcp
@@ -160,6 +184,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             if final:
                 pending.result()
     last = args.warmup + args.steps
+    committed = {0: time.perf_counter()}  # when each step's checkpoint call returned
     for n in range(1, args.warmup + args.steps + 1):
         if n == args.warmup + 1:
             sync(args.device)
@@ -171,18 +196,22 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             engine.commit(n, source)
         elif save is not None:
             save(n)
+        committed[n] = time.perf_counter()
         if n > args.warmup + 2 and time.perf_counter() - t0 > args.max_seconds:
             last = n  # too slow to finish in its time: timed over the steps it made
             break
     sync(args.device)
     t_loop = time.perf_counter()
     durable_at_loop_end = engine.durable_step if engine is not None else None
+    tiers = tiers_at(engine, last, t_loop, committed) if engine is not None else {}
     if engine is not None:
+        writer = getattr(engine.recorder, "writer", None)  # the session's: the engine lets go of it at end()
         engine.end()
+        tiers["writer"] = writer_stats(writer)
     elif save is not None:
         save(last, final=True)
     t_end = time.perf_counter()
-    if engine is not None:  # the trained state, for ``restore diffckpt``'s check (not timed)
+    if args.config == "diffckpt":  # the trained state, for ``restore diffckpt``'s check (not timed)
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, os.path.join(args.workdir, "final.pt"))
     written, timed = dir_bytes(root) + (removed[0] if save is not None else 0), last - args.warmup
     return {
@@ -192,7 +221,33 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "device_peak": torch.cuda.max_memory_allocated() if args.device == "cuda" else None,
         "bytes_written": written, "bytes_per_step": written / last,
         "not_durable_at_loop_end": None if engine is None else last - (durable_at_loop_end or 0),
+        **tiers,
     }
+
+
+def tiers_at(engine: Any, last: int, now: float, committed: dict[int, float]) -> dict[str, Any]:
+    """The durable step (the run root) and the node-local step (the journal) of a running session,
+    each with its lag behind step ``last`` in steps and in seconds (``now`` less the time the step
+    it holds was committed), from the metrics loggers get."""
+    metrics = engine.metrics()
+    out: dict[str, Any] = {}
+    for name, key in (("durable", "diffckpt/durable_step"), ("local", "diffckpt/local_step")):
+        step = metrics.get(key)
+        step = None if step is None else int(step)
+        out[f"{name}_step"] = step
+        out[f"{name}_lag_steps"] = None if step is None else last - step
+        out[f"{name}_lag_s"] = None if step is None else now - committed.get(step, committed[0])
+    return out
+
+
+def writer_stats(writer: Any) -> dict[str, Any]:
+    """The writer's counters (``WriterStats``: stall and write seconds, bytes) where it has them."""
+    import dataclasses
+
+    stats = getattr(writer, "stats", None)
+    if stats is None or not dataclasses.is_dataclass(stats) or isinstance(stats, type):
+        return {}
+    return {k: v for k, v in dataclasses.asdict(stats).items() if isinstance(v, (int, float))}
 
 
 def same(a: Any, b: Any) -> bool:

@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
 import gpu_check
+import gpu_scale
 
 
 def check(*args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
@@ -51,7 +52,7 @@ def test_the_dry_run_goes_through_every_part_and_reports_each(tmp_path: Path) ->
     assert list(found) == gpu_check.PARTS
     assert {n: p["status"] for n, p in found.items()} == {
         "environment": "passed", "cuda-tests": "skipped", "kill-resume": "passed", "overhead": "passed",
-        "restore": "passed"}
+        "restore": "passed", "kill-124m": "passed"}
     env = found["environment"]["details"]
     assert {"torch", "lightning", "accelerate", "transformers", "zstandard"} <= {r["package"] for r in env["floors"]}
     tests = found["cuda-tests"]["details"]
@@ -63,9 +64,24 @@ def test_the_dry_run_goes_through_every_part_and_reports_each(tmp_path: Path) ->
     for row in rows.values():  # killed for real, resumed from an earlier durable step, every tensor equal
         assert row["status"] == "passed" and row["tensors"] > 50, row
         assert 0 < row["resumed_from"] <= row["killed_at"], row
-    runs = found["overhead"]["details"]["runs"]
-    assert set(runs) == {"none", "diffckpt", "dcp-1", "dcp-10"}
+    for name in ("plain-single", "plain-foreach", "plain-fused"):  # the plain loops say where each tier was
+        assert 0 <= rows[name]["durable_at_kill"] <= rows[name]["local_at_kill"] <= rows[name]["killed_at"]
+    big = found["kill-124m"]["details"]["row"]
+    assert big["scenario"] == "gpt2" and big["status"] == "passed" and big["tensors"] > 50, big
+    assert 0 < big["resumed_from"] <= big["killed_at"] and big["steps_lost"] <= 1, big  # the node-local tier
+    overhead = found["overhead"]["details"]
+    runs = overhead["runs"]
+    expected = {"none", "diffckpt", "dcp-1", "dcp-10"}
+    if gpu_scale.options_missing("diffckpt-every-step") is None:
+        expected.add("diffckpt-every-step")
+    else:  # durability="every_step" does not exist in this checkout yet: skipped, and said so
+        assert "durability" in overhead["skipped"]["diffckpt-every-step"]
+    assert set(runs) == expected
     assert runs["none"]["ratio"] == 1.0 and runs["diffckpt"]["bytes_per_step"] > 0 and runs["dcp-1"]["bytes_per_step"] > 0
+    for name in expected & set(gpu_scale.DIFFCKPT):  # each tier's step at the loop's end, and the writer's stall
+        r = runs[name]
+        assert 0 <= r["durable_step"] <= r["local_step"] <= 8 and r["local_lag_steps"] == 8 - r["local_step"], r
+        assert r["durable_lag_s"] >= r["local_lag_s"] >= 0 and r["writer"]["stall_seconds"] >= 0, r
     restore = found["restore"]["details"]
     assert restore["diffckpt"]["exact"] is True and restore["diffckpt"]["replayed"] == restore["limit"]["steps"]
     assert restore["diffckpt"]["base_step"] + restore["diffckpt"]["replayed"] == restore["diffckpt"]["steps"] > 0
