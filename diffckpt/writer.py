@@ -326,8 +326,11 @@ class BackgroundWriter:
             item()
         elif kind == "flush":
             self._write_segment()
-        elif kind == "note":  # a small object beside the data (fenced and retried like it)
-            self._committer.write(*item)
+        elif kind == "note":  # a small informational object: its loss stops nothing
+            try:
+                self.storage.write(*item)
+            except Exception as exc:
+                log.warning("diffckpt: could not write %s (informational: diffckpt ls will not show it): %s", item[0], exc)
         elif kind == "retarget":
             self.write_batch, self._cut_next = item, True
 

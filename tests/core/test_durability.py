@@ -16,7 +16,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_runs import OPTIONS, FaultyStorage, Truth, assert_state, make, restore, snapshot, train_steps
+from engine_runs import (
+    OPTIONS,
+    FaultyStorage,
+    Truth,
+    assert_state,
+    make,
+    restore,
+    snapshot,
+    train_steps,
+)
 
 from diffckpt import CheckpointEngine, CheckpointOptions, FsspecStorage
 from diffckpt.committer import Committer

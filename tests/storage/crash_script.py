@@ -119,7 +119,7 @@ class Tracing:
 def options(args: argparse.Namespace) -> CheckpointOptions:
     local_dir = None if args.local_dir == "none" else args.local_dir
     return CheckpointOptions(write_batch=args.write_batch, base_every_n_steps=args.base_every,
-                             fingerprint_every_n_steps=3, local_dir=local_dir,
+                             fingerprint_every_n_steps=3, local_dir=local_dir, durability=args.durability,
                              retry=RetryPolicy(budget_s=20, initial_backoff_s=0.05, max_backoff_s=0.5))
 
 
@@ -146,7 +146,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--write-batch", type=int, default=4)
     p.add_argument("--base-every", type=int, default=10)
     p.add_argument("--part-size", type=int, default=32 << 20)
-    p.add_argument("--local-dir", default="auto", help="a folder, 'auto' (TMPDIR) or 'none' (no journal)")
+    p.add_argument("--local-dir", default="auto", help="a folder, 'auto' or 'none' (no journal)")
+    p.add_argument("--durability", default="paced", choices=["paced", "every_step"])
     p.add_argument("--pause-before")
     p.add_argument("--pause-after")
     p.add_argument("--truth")

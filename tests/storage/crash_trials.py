@@ -63,6 +63,7 @@ class Trial:
     local_dir: str | None = None
     write_batch: int = WRITE_BATCH
     base_every: int = BASE_EVERY
+    durability: str = "paced"
 
 
 @dataclass
@@ -122,7 +123,7 @@ def journals_left(local_dir: str) -> list[str]:
 
 def run_trial(trial: Trial, truth: str) -> Outcome:
     settings = ["--write-batch", str(trial.write_batch), "--base-every", str(trial.base_every),
-                "--local-dir", trial.local_dir or "none"]
+                "--local-dir", trial.local_dir or "none", "--durability", trial.durability]
     args = ["train", "--url", trial.url, *settings]
     handle = None
     kill = trial.kill

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 from crash_trials import Outcome, Trial, run_trial, tally, truth_file
@@ -40,7 +41,7 @@ def truth(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _trial(backend: str, kill: tuple, tmp_path: Path, s3: S3Target | None, proxy: FaultProxy | None,
-           via_proxy: S3Target | None, forward: bool = False, journal: bool = True, **settings: int) -> Trial:
+           via_proxy: S3Target | None, forward: bool = False, journal: bool = True, **settings: Any) -> Trial:
     """A trial; ``journal``: the node-local tier on, in a folder of the trial's own."""
     name = f"{backend}-{kill[0]}-{kill[1]}-{'journal' if journal else 'no journal'}"
     local_dir = str(tmp_path / "local") if journal else None
@@ -104,8 +105,19 @@ def test_chosen_kill_local_journal_takes_back_the_queued_segments(tmp_path: Path
     # stops after step 35 (record_step(36) waits for record 35). The journals hold steps 25..34,
     # which continue the run root's step 24 without base 30; a resume commits them and restores 34.
     kill = ("pause-before", r"diffs/000000000024-", "STEP 35")
-    outcome = run_trial(_trial("local", kill, tmp_path, None, None, None), truth)
+    outcome = run_trial(_trial("local", kill, tmp_path, None, None, None, durability="every_step"), truth)
     assert outcome.last_step == 35 and outcome.restored == 34, outcome
+
+
+def test_chosen_kill_local_paced_keeps_every_step_behind_a_held_write(tmp_path: Path, truth: str) -> None:
+    # Paced (the default): the segment after step 4 is never written, and training does not wait
+    # for it. The run root falls behind, so each base supersedes the segments waiting before it
+    # (parked in the local tier) and bases 10 and 20 wait behind the held write too; training
+    # runs to its end and the final flush waits there. The journals hold every step after 4 (the
+    # parked segments, the waiting ones, the open one), and a resume restores step 40.
+    kill = ("pause-before", r"diffs/000000000004-", "STEP 40")
+    outcome = run_trial(_trial("local", kill, tmp_path, None, None, None), truth)
+    assert outcome.last_step == 40 and outcome.last_durable <= 4 and outcome.restored == 40, outcome
 
 
 def test_chosen_kill_local_base_state_without_commit(tmp_path: Path, truth: str) -> None:
@@ -114,7 +126,7 @@ def test_chosen_kill_local_base_state_without_commit(tmp_path: Path, truth: str)
     # stops after step 31; a resume takes back steps 21..30 from the journals, replayed from base
     # 10 through the segments written before base 20.
     kill = ("pause-after", r"bases/000000000020\.g\d+/state", "STEP 31")
-    outcome = run_trial(_trial("local", kill, tmp_path, None, None, None), truth)
+    outcome = run_trial(_trial("local", kill, tmp_path, None, None, None, durability="every_step"), truth)
     assert outcome.last_step == 31 and outcome.restored == 30, outcome
 
 
@@ -123,7 +135,8 @@ def test_chosen_kill_s3(kill: tuple, tmp_path: Path, truth: str, s3_bucket: S3Ta
                         fault_proxy: FaultProxy, s3_via_proxy: S3Target) -> None:
     # a COMMIT whose PUT completes after its writer died is a committed base like any other
     forward = kill[1].endswith("COMMIT")
-    outcome = run_trial(_trial("s3", kill, tmp_path, s3_bucket, fault_proxy, s3_via_proxy, forward), truth)
+    outcome = run_trial(_trial("s3", kill, tmp_path, s3_bucket, fault_proxy, s3_via_proxy, forward,
+                               durability="every_step"), truth)
     assert outcome.restored is not None and outcome.restored >= (outcome.last_durable or 0)
     assert outcome.lost <= 1, outcome
 

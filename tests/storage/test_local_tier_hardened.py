@@ -73,6 +73,14 @@ def shared_tmp() -> Iterator[Path]:
     shutil.rmtree(folder, ignore_errors=True)
 
 
+@pytest.fixture(autouse=True)
+def _auto_is_the_temporary_folder(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These corners are of ``local_dir="auto"`` in the system temporary folder (where it goes
+    without ``DIFFCKPT_LOCAL_DIR`` and without room in shared memory), whatever this machine has."""
+    monkeypatch.delenv("DIFFCKPT_LOCAL_DIR", raising=False)
+    monkeypatch.setattr("diffckpt.journal.default_local_dir", tempfile.gettempdir)
+
+
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
     """``small_disk(free)``: a tmpfs with about ``free`` bytes (whole pages) left."""
