@@ -8,9 +8,17 @@ the host on a side stream that waits for that event, into pinned buffers from a 
 stream itself. Past the pool's bound it copies into ordinary memory, which is slower but never
 blocks on the pool.
 
+A record's gradients are narrowed on the device first (``narrowing.py``): the side stream
+computes, for every float32 gradient, whether its low 16 bits are all zero; the writer thread
+reads all those flags back with one small copy (one per GPU) and then copies each gradient's
+bfloat16 halves, or the gradient itself. The host gets exactly what narrowing it there would have
+given, with half the bytes over the bus and none of the host's time.
+
 Device memory held by records is bounded by the writer queue: a record's device tensors count
 in ``max_pending_bytes`` from the commit until the writer has staged them, which it does as soon
-as the record's leases ended (``docs/architecture.md``, GPU path).
+as the record's leases ended (``docs/architecture.md``, GPU path). The stage's own temporaries
+(the bfloat16 halves of one gradient at a time) are allocated on the side stream and dropped once
+their copy is queued, so the caching allocator gives their memory only to work queued after it.
 
 On the CPU every tensor is on the host already and the stage returns the record as it is: one
 code path, with this module the only device-specific part.
@@ -20,9 +28,12 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+from .narrowing import exact_flags, high_halves, narrowable
 
 __all__ = ["DEFAULT_PINNED_BYTES", "HostStage", "PinnedPool", "on_device"]
 
@@ -97,10 +108,14 @@ class HostStage:
         event.record()
         return event
 
-    def to_host(self, tree: Any, ready: list[Any]) -> tuple[Any, list[torch.Tensor]]:
+    def to_host(self, tree: Any, ready: list[Any], narrow: Sequence[torch.Tensor] = ()
+                ) -> tuple[Any, list[torch.Tensor]]:
         """``tree`` with every CUDA tensor copied to a host buffer, once the events ``ready``
         completed; and the buffers to :meth:`release` after the record is written. Blocks the
-        calling (writer) thread only."""
+        calling (writer) thread only.
+
+        ``narrow``: tensors of ``tree`` (a record's gradients) copied in bfloat16 where that is
+        exact."""
         if not on_device(tree):
             return tree, []
         taken: list[torch.Tensor] = []
@@ -116,14 +131,19 @@ class HostStage:
                     s.wait_event(event)  # on the device: the host does not wait here
             return used[index]
 
+        exact = self._exact([g for g in narrow if g.device.type == "cuda" and narrowable(g)], stream, taken)
+
         def move(obj: Any) -> Any:
             if isinstance(obj, torch.Tensor):
                 if obj.device.type != "cuda":
                     return obj
-                buf = self.pool.take(obj)
-                taken.append(buf)
                 with torch.cuda.stream(stream(obj.device)):
-                    buf.copy_(obj, non_blocking=True)
+                    # The halves are made on the side stream, the only one that uses them: once
+                    # dropped, their memory goes to work queued after this copy.
+                    src = high_halves(obj) if exact.get(id(obj)) else obj
+                    buf = self.pool.take(src)
+                    taken.append(buf)
+                    buf.copy_(src, non_blocking=True)
                 return buf
             if isinstance(obj, dict):
                 return {k: move(v) for k, v in obj.items()}
@@ -137,6 +157,31 @@ class HostStage:
         for s in used.values():
             s.synchronize()
         return out, taken
+
+    def _exact(self, grads: list[torch.Tensor], stream: Callable[[torch.device], Any],
+               taken: list[torch.Tensor]) -> dict[int, bool]:
+        """``id(g) -> whether g holds only bfloat16 values`` for ``grads`` (on GPUs): the flags
+        of each device's gradients computed on its side stream and read back with one small copy,
+        which this (writer) thread waits for, and only for it."""
+        by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+        for g in grads:
+            by_device[g.device].append(g)
+        reads = []
+        for device, group in by_device.items():
+            side = stream(device)
+            with torch.cuda.stream(side):
+                flags = exact_flags(group)
+                host = self.pool.take(flags)
+                taken.append(host)
+                host.copy_(flags, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(side)
+            reads.append((group, host, done))
+        exact: dict[int, bool] = {}
+        for group, host, done in reads:
+            done.synchronize()
+            exact.update(zip(map(id, group), host.tolist()))
+        return exact
 
     def release(self, buffers: list[torch.Tensor]) -> None:
         self.pool.give_back(buffers)
