@@ -26,20 +26,66 @@ code path, with this module the only device-specific part.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from .narrowing import exact_flags, high_halves, narrowable
 
-__all__ = ["DEFAULT_PINNED_BYTES", "HostStage", "PinnedPool", "on_device"]
+__all__ = ["PINNED_CAP", "PINNED_SHARE", "PINNED_UNKNOWN", "HostStage", "PinnedPool", "memory_limit",
+           "on_device", "pinned_bound", "pinned_size"]
 
-DEFAULT_PINNED_BYTES = 512 << 20
-"""Pinned host memory the stage may hold: page-locked memory is taken from the whole machine, so
-it is bounded; beyond it copies go to ordinary memory."""
+PINNED_SHARE = 4
+"""The pool pins at most 1/PINNED_SHARE of the memory the process may use (:func:`memory_limit`):
+page-locked memory cannot be paged out, so it is taken from everything else on the machine."""
+
+PINNED_CAP = 16 << 30
+"""... and never more than this: enough for one record of a model of about 8B parameters with
+16-bit gradients (under FSDP2 each rank stages its piece of it)."""
+
+PINNED_UNKNOWN = 512 << 20
+"""The bound where the memory the process may use cannot be read."""
+
+# Where a container's memory limit is found (cgroup v2, then v1); on a host they are absent, or
+# read "max".
+CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def memory_limit(cgroup_files: Sequence[str] = CGROUP_LIMITS) -> int | None:
+    """The memory this process may use, in bytes: the machine's physical memory, or its
+    container's limit (``cgroup_files``) when lower; ``None`` when neither can be read."""
+    found = []
+    try:
+        pages, page = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+        if pages > 0 and page > 0:
+            found.append(pages * page)
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows), or not these names
+        pass
+    for path in cgroup_files:
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():  # else "max": no limit
+            found.append(int(text))
+    return min(found) if found else None
+
+
+def pinned_bound(limit: int | None) -> int:
+    """The pinned bytes the pool may hold, given the memory the process may use (``None``:
+    unknown): a share of it, at most :data:`PINNED_CAP`."""
+    return PINNED_UNKNOWN if limit is None else min(limit // PINNED_SHARE, PINNED_CAP)
+
+
+def pinned_size(nbytes: int) -> int:
+    """Page-locked bytes a pinned buffer of ``nbytes`` takes: torch's caching host allocator
+    rounds each allocation up to a power of two (and keeps it when freed)."""
+    return 0 if nbytes <= 0 else 1 << (nbytes - 1).bit_length()
 
 
 def on_device(tree: Any) -> bool:
@@ -55,8 +101,10 @@ def on_device(tree: Any) -> bool:
 
 class PinnedPool:
     """Host buffers for device-to-host copies, reused by shape and dtype, at most ``capacity``
-    bytes of them pinned (``pin``); past that, ordinary memory that is not kept. A base's
-    buffers come back from the commit thread, the records' from the writer thread: hence the lock."""
+    bytes of them pinned (``pin``; counted by :func:`pinned_size`); past that, ordinary memory
+    that is not kept. It grows to what the largest record staged needs, up to ``capacity``, and
+    never gives back what it pinned: freed pinned memory stays with torch's allocator anyway. A
+    lock, as buffers may come back from another thread than the one that took them."""
 
     def __init__(self, capacity: int, pin: bool) -> None:
         self.capacity = capacity
@@ -73,11 +121,11 @@ class PinnedPool:
             if self._free[key]:
                 buf = self._free[key].pop()
             else:
-                nbytes = like.numel() * like.element_size()
-                if self.held + nbytes > self.capacity:
+                size = pinned_size(like.numel() * like.element_size())
+                if self.held + size > self.capacity:
                     return torch.empty(like.shape, dtype=like.dtype)  # past the bound: not pooled
                 buf = torch.empty(like.shape, dtype=like.dtype, pin_memory=self.pin)
-                self.held += nbytes
+                self.held += size
             self._own.add(id(buf))
         return buf
 
@@ -91,10 +139,13 @@ class PinnedPool:
 
 
 class HostStage:
-    """Moves records' device tensors to the host on the writer thread (see the module doc)."""
+    """Moves records' device tensors to the host on the writer thread (see the module doc).
 
-    def __init__(self, pinned_bytes: int = DEFAULT_PINNED_BYTES) -> None:
-        self.pool = PinnedPool(pinned_bytes, pin=torch.cuda.is_available())
+    ``pinned_bytes``: the pool's bound (default: :func:`pinned_bound` of :func:`memory_limit`)."""
+
+    def __init__(self, pinned_bytes: int | None = None) -> None:
+        bound = pinned_bound(memory_limit()) if pinned_bytes is None else pinned_bytes
+        self.pool = PinnedPool(bound, pin=torch.cuda.is_available())
         self._streams: dict[int, Any] = {}
 
     @staticmethod
@@ -108,14 +159,16 @@ class HostStage:
         event.record()
         return event
 
-    def to_host(self, tree: Any, ready: list[Any], narrow: Sequence[torch.Tensor] = ()
-                ) -> tuple[Any, list[torch.Tensor]]:
+    def to_host(self, tree: Any, ready: list[Any], narrow: Sequence[torch.Tensor] = (),
+                pooled: bool = True) -> tuple[Any, list[torch.Tensor]]:
         """``tree`` with every CUDA tensor copied to a host buffer, once the events ``ready``
         completed; and the buffers to :meth:`release` after the record is written. Blocks the
         calling (writer) thread only.
 
         ``narrow``: tensors of ``tree`` (a record's gradients) copied in bfloat16 where that is
-        exact."""
+        exact. ``pooled``: into the pool's buffers; else into ordinary memory (a base's: staged
+        once per base interval, its pinned buffers would hold page-locked memory the size of
+        model and optimizer state between bases, taken from the records' bound)."""
         if not on_device(tree):
             return tree, []
         taken: list[torch.Tensor] = []
@@ -141,7 +194,7 @@ class HostStage:
                     # The halves are made on the side stream, the only one that uses them: once
                     # dropped, their memory goes to work queued after this copy.
                     src = high_halves(obj) if exact.get(id(obj)) else obj
-                    buf = self.pool.take(src)
+                    buf = self.pool.take(src) if pooled else torch.empty(src.shape, dtype=src.dtype)
                     taken.append(buf)
                     buf.copy_(src, non_blocking=True)
                 return buf

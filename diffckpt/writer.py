@@ -377,7 +377,7 @@ class BackgroundWriter:
             self._write_segment(wait=False)
             self._drop_superseded(step)
             start = time.monotonic()
-            (tree, params), staged = self.stage.to_host((tree, params), [ready] if ready is not None else [])
+            (tree, params), staged = self.stage.to_host((tree, params), [ready] if ready is not None else [], pooled=False)
             parts = pack_parts(tree)
             size = sum(len(p) for p in parts)
             pack_s = time.monotonic() - start
