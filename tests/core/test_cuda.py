@@ -1,17 +1,19 @@
 """What was designed for CUDA and can only be checked on a CUDA device (``make gpu-check`` runs
 these; they skip themselves elsewhere): the writer's host stage (gradients narrowed on the device),
-the CUDA generators, replay onto the device and ``load_state(device="cuda")``."""
+the CUDA generators, replay onto the device, ``load_state(device="cuda")`` and compaction on the
+device the run recorded."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
-from engine_runs import untouched
+from engine_runs import base_dir, untouched
 from helpers import assert_bitwise_equal
 
-from diffckpt import CheckpointEngine, CheckpointOptions, load_state
+from diffckpt import CheckpointEngine, CheckpointOptions, compact, load_state
 from diffckpt.narrowing import narrowed
 from diffckpt.recordprep import narrow_gradients
 from diffckpt.rng import get_rng_state, set_rng_state
@@ -137,6 +139,17 @@ def test_a_cuda_run_replays_onto_the_device_and_loads_as_cuda_tensors(tmp_path: 
     assert all(t.device.type == "cuda" for t in loaded["model"].values())
     assert_bitwise_equal({k: v.cpu() for k, v in truth["model"].items()},
                          {k: v.cpu() for k, v in loaded["model"].items()})
+    # Compaction replays on the device the session recorded (cuda:0) unless told otherwise, and
+    # its base is the trained state, bit for bit.
+    assert json.loads((tmp_path / "sessions" / "g000001.json").read_text())["device"] == "cuda:0"
+    assert compact(str(tmp_path)).written
+    assert json.loads((base_dir(tmp_path, 7) / "COMMIT").read_text())["compacted"]["device"] == "cuda"
+    torch.manual_seed(0)
+    again = _model()
+    again_opt = torch.optim.AdamW(again.parameters(), lr=1e-2, fused=True)
+    result = CheckpointEngine(str(tmp_path)).restore(again, [again_opt])
+    assert (result.step, result.base_step, result.replayed) == (7, 7, 0)
+    assert_bitwise_equal(truth, untouched(again, [again_opt]))
 
 
 def test_a_cuda_run_stores_bfloat16_valued_gradients_in_16_bits_and_replays_bitwise(tmp_path: Path) -> None:
