@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -115,26 +116,40 @@ def _model() -> torch.nn.Module:
                                torch.nn.Linear(32, 4)).cuda()
 
 
-def test_a_cuda_run_replays_onto_the_device_and_loads_as_cuda_tensors(tmp_path: Path) -> None:
-    torch.manual_seed(0)
-    model = _model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-    engine = CheckpointEngine(str(tmp_path), CheckpointOptions(write_batch=3, base_every_n_steps=None))
+def _recorded_run(root: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int) -> dict[str, Any]:
+    """``steps`` training steps recorded every step (segments of 3, a base at step 0 only); the
+    trained state."""
+    engine = CheckpointEngine(str(root), CheckpointOptions(write_batch=3, base_every_n_steps=None))
     engine.start(model, [opt], 0)
     engine.write_base(0, model.state_dict(), [opt.state_dict()], {})
-    for step in range(1, 8):
+    for step in range(1, steps + 1):
         x = torch.randn(8, 16, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
         opt.zero_grad()
         model(x).square().mean().backward()
         opt.step()
         engine.record_step(step, {})
     truth = untouched(model, [opt])
-    assert engine.close() == 7
+    assert engine.close() == steps
+    return truth
+
+
+def _restored(root: Path, **adamw: Any) -> tuple[Any, dict[str, Any]]:
+    """The newest step restored onto a fresh model and AdamW (``adamw``: its options): the
+    restore's result and the restored state."""
     torch.manual_seed(0)
     fresh = _model()
-    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2, fused=True)
-    assert CheckpointEngine(str(tmp_path)).restore(fresh, [fresh_opt]).step == 7
-    assert_bitwise_equal(truth, untouched(fresh, [fresh_opt]))
+    opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2, **adamw)
+    result = CheckpointEngine(str(root)).restore(fresh, [opt])
+    return result, untouched(fresh, [opt])
+
+
+def test_a_cuda_run_replays_onto_the_device_and_loads_as_cuda_tensors(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = _model()
+    truth = _recorded_run(tmp_path, model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True), 7)
+    result, state = _restored(tmp_path, fused=True)
+    assert result.step == 7
+    assert_bitwise_equal(truth, state)
     loaded = load_state(str(tmp_path), device="cuda")
     assert all(t.device.type == "cuda" for t in loaded["model"].values())
     assert_bitwise_equal({k: v.cpu() for k, v in truth["model"].items()},
@@ -144,12 +159,9 @@ def test_a_cuda_run_replays_onto_the_device_and_loads_as_cuda_tensors(tmp_path: 
     assert json.loads((tmp_path / "sessions" / "g000001.json").read_text())["device"] == "cuda:0"
     assert compact(str(tmp_path)).written
     assert json.loads((base_dir(tmp_path, 7) / "COMMIT").read_text())["compacted"]["device"] == "cuda"
-    torch.manual_seed(0)
-    again = _model()
-    again_opt = torch.optim.AdamW(again.parameters(), lr=1e-2, fused=True)
-    result = CheckpointEngine(str(tmp_path)).restore(again, [again_opt])
+    result, state = _restored(tmp_path, fused=True)
     assert (result.step, result.base_step, result.replayed) == (7, 7, 0)
-    assert_bitwise_equal(truth, untouched(again, [again_opt]))
+    assert_bitwise_equal(truth, state)
 
 
 def test_a_cuda_run_stores_bfloat16_valued_gradients_in_16_bits_and_replays_bitwise(tmp_path: Path) -> None:
@@ -160,26 +172,13 @@ def test_a_cuda_run_stores_bfloat16_valued_gradients_in_16_bits_and_replays_bitw
     model = _model()
     for p in model[0].parameters():
         p.register_hook(_bf16_valued)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    engine = CheckpointEngine(str(tmp_path), CheckpointOptions(write_batch=3, base_every_n_steps=None))
-    engine.start(model, [opt], 0)
-    engine.write_base(0, model.state_dict(), [opt.state_dict()], {})
-    for step in range(1, 7):
-        x = torch.randn(8, 16, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
-        opt.zero_grad()
-        model(x).square().mean().backward()
-        opt.step()
-        engine.record_step(step, {})
-    truth = untouched(model, [opt])
-    assert engine.close() == 6
+    truth = _recorded_run(tmp_path, model, torch.optim.AdamW(model.parameters(), lr=1e-2), 6)
     records = [r for seg in sorted((tmp_path / "diffs").glob("*.seg"))
                for r in decode_segment(seg.read_bytes(), str(seg))[1]]
     assert [r["step"] for r in records] == list(range(1, 7))
     for r in records:  # parameters: first Linear's weight and bias, the batch norm's two, the last Linear's two
         (group,) = r["events"][0]["grads"]
         assert [g.dtype for g in group] == [torch.bfloat16] * 2 + [torch.float32] * 4
-    torch.manual_seed(0)
-    fresh = _model()
-    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
-    assert CheckpointEngine(str(tmp_path)).restore(fresh, [fresh_opt]).step == 6
-    assert_bitwise_equal(truth, untouched(fresh, [fresh_opt]))
+    result, state = _restored(tmp_path)
+    assert result.step == 6
+    assert_bitwise_equal(truth, state)
