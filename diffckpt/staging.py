@@ -5,8 +5,8 @@ Capture never synchronises the training stream: gradients are leased or copied o
 them (:meth:`HostStage.mark`). The writer thread, not the training thread, then copies them to
 the host on a side stream that waits for that event, into pinned buffers from a bounded pool
 (reused from step to step: gradients have the same shapes every step), and waits for the side
-stream itself. Past the pool's bound it copies into ordinary memory, which is slower but never
-blocks on the pool.
+stream itself. Past the pool's bound (:func:`pinned_bound`) it copies into ordinary memory, which
+is slower but never blocks on the pool; so it does for bases (see :meth:`HostStage.to_host`).
 
 A record's gradients are narrowed on the device first (``narrowing.py``): the side stream
 computes, for every float32 gradient, whether its low 16 bits are all zero; the writer thread
@@ -45,8 +45,9 @@ PINNED_SHARE = 4
 page-locked memory cannot be paged out, so it is taken from everything else on the machine."""
 
 PINNED_CAP = 16 << 30
-"""... and never more than this: enough for one record of a model of about 8B parameters with
-16-bit gradients (under FSDP2 each rank stages its piece of it)."""
+"""... and never more than this (per process: under DDP one process records; under FSDP2 each rank
+stages its piece of a record): a record of a model of several billion parameters with 16-bit
+gradients, its buffers rounded as :func:`pinned_size` says."""
 
 PINNED_UNKNOWN = 512 << 20
 """The bound where the memory the process may use cannot be read."""
