@@ -70,7 +70,9 @@ class PendingBase:
         """The base's parts (views of its host copy, no copy) and its parameters to fingerprint."""
         assert self.snapshot is not None, "a base is packed once"
         start = time.monotonic()
-        (tree, params), self._staged = self.stage.to_host(self.snapshot, self.ready)
+        # Into ordinary memory: pinned buffers of a base's shapes would hold the pinned bound for
+        # a copy made once an interval, off the training path (staging.py).
+        (tree, params), self._staged = self.stage.to_host(self.snapshot, self.ready, pooled=False)
         self.snapshot = None  # the device copy goes now that the host has one
         parts = pack_parts(tree)
         self.size, self.pack_s = sum(len(p) for p in parts), time.monotonic() - start

@@ -24,7 +24,6 @@ from .codecs.compressor import GradientCompressor
 from .errors import DiffCkptError
 from .keptsteps import KeptSteps
 from .leases import copy_tensors
-from .lifecycle.compaction import training_device
 from .lifecycle.footprint import session_projection
 from .lifecycle.maintenance import Maintenance
 from .localtier import merge_for_rank
@@ -35,7 +34,7 @@ from .policies import IntervalPolicy, StepContext
 from .replay import ReplayResult
 from .restoring import restore_live
 from .runstore import RunStore
-from .sessionfile import session_body, training_meta
+from .sessionfile import session_body, training_device, training_meta
 from .shardedrun import ShardedRun
 from .sharding import local, local_tree
 from .staging import HostStage

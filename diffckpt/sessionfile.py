@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from .coordination import Coordination
     from .recorder import Recorder
 
-__all__ = ["open_sharded_session", "session_body", "training_meta"]
+__all__ = ["open_sharded_session", "session_body", "training_device", "training_meta"]
 
 
 def session_body(options: CheckpointOptions, step: int, meta: dict[str, Any]) -> dict[str, Any]:
@@ -38,10 +38,20 @@ def session_body(options: CheckpointOptions, step: int, meta: dict[str, Any]) ->
             "resumed_from": step, "id": uuid.uuid4().hex, **meta}
 
 
+def training_device(module: torch.nn.Module) -> str:
+    """The device ``module``'s parameters are on (a sharded parameter's local piece; the CPU
+    without parameters): what a session records as the device training ran on, and where
+    compaction replays by default. Replay is bit-exact on the device type training ran on, so a
+    base compacted there matches the fingerprints recorded in training."""
+    param = next(module.parameters(), None)
+    return "cpu" if param is None else str(local(param).device)
+
+
 def training_meta(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
                   compressor: GradientCompressor | None) -> dict[str, Any]:
     """What a session file says of the model and optimizers: each group's parameter names, the
-    optimizer classes, every parameter's (local) shape, tied weights, and the codec."""
+    optimizer classes, every parameter's (local) shape, tied weights, the codec, and the device
+    training runs on."""
     params = dict(module.named_parameters())
     names = {id(p): n for n, p in params.items()}
     # State-dict keys that are a parameter under another name (tied weights: an LM head
@@ -54,7 +64,8 @@ def training_meta(module: torch.nn.Module, optimizers: list[torch.optim.Optimize
         "optimizers": [qualname(o) for o in optimizers],
         "parameters": [[k, list(local(p).shape)] for k, p in params.items()],
         **({"aliases": aliases} if aliases else {}),
-        "codec": None if compressor is None else compressor.codec.config()}
+        "codec": None if compressor is None else compressor.codec.config(),
+        "device": training_device(module)}
 
 
 def open_sharded_session(coord: Coordination, recorder: Recorder, meta: dict[str, Any], step: int,

@@ -5,12 +5,20 @@ Capture never synchronises the training stream: gradients are leased or copied o
 them (:meth:`HostStage.mark`). The writer thread, not the training thread, then copies them to
 the host on a side stream that waits for that event, into pinned buffers from a bounded pool
 (reused from step to step: gradients have the same shapes every step), and waits for the side
-stream itself. Past the pool's bound it copies into ordinary memory, which is slower but never
-blocks on the pool.
+stream itself. Past the pool's bound (:func:`pinned_bound`) it copies into ordinary memory, which
+is slower but never blocks on the pool; so it does for bases (see :meth:`HostStage.to_host`).
+
+A record's gradients are narrowed on the device first (``narrowing.py``): the side stream
+computes, for every float32 gradient, whether its low 16 bits are all zero; the writer thread
+reads all those flags back with one small copy (one per GPU) and then copies each gradient's
+bfloat16 halves, or the gradient itself. The host gets exactly what narrowing it there would have
+given, with half the bytes over the bus and none of the host's time.
 
 Device memory held by records is bounded by the writer queue: a record's device tensors count
 in ``max_pending_bytes`` from the commit until the writer has staged them, which it does as soon
-as the record's leases ended (``docs/architecture.md``, GPU path).
+as the record's leases ended (``docs/architecture.md``, GPU path). The stage's own temporaries
+(the bfloat16 halves of one gradient at a time) are allocated on the side stream and dropped once
+their copy is queued, so the caching allocator gives their memory only to work queued after it.
 
 On the CPU every tensor is on the host already and the stage returns the record as it is: one
 code path, with this module the only device-specific part.
@@ -18,17 +26,67 @@ code path, with this module the only device-specific part.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import defaultdict
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["DEFAULT_PINNED_BYTES", "HostStage", "PinnedPool", "on_device"]
+from .narrowing import exact_flags, high_halves, narrowable
 
-DEFAULT_PINNED_BYTES = 512 << 20
-"""Pinned host memory the stage may hold: page-locked memory is taken from the whole machine, so
-it is bounded; beyond it copies go to ordinary memory."""
+__all__ = ["PINNED_CAP", "PINNED_SHARE", "PINNED_UNKNOWN", "HostStage", "PinnedPool", "memory_limit",
+           "on_device", "pinned_bound", "pinned_size"]
+
+PINNED_SHARE = 4
+"""The pool pins at most 1/PINNED_SHARE of the memory the process may use (:func:`memory_limit`):
+page-locked memory cannot be paged out, so it is taken from everything else on the machine."""
+
+PINNED_CAP = 16 << 30
+"""... and never more than this (per process: under DDP one process records; under FSDP2 each rank
+stages its piece of a record): a record of a model of several billion parameters with 16-bit
+gradients, its buffers rounded as :func:`pinned_size` says."""
+
+PINNED_UNKNOWN = 512 << 20
+"""The bound where the memory the process may use cannot be read."""
+
+# Where a container's memory limit is found (cgroup v2, then v1); on a host they are absent, or
+# read "max".
+CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def memory_limit(cgroup_files: Sequence[str] = CGROUP_LIMITS) -> int | None:
+    """The memory this process may use, in bytes: the machine's physical memory, or its
+    container's limit (``cgroup_files``) when lower; ``None`` when neither can be read."""
+    found = []
+    try:
+        pages, page = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+        if pages > 0 and page > 0:
+            found.append(pages * page)
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows), or not these names
+        pass
+    for path in cgroup_files:
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():  # else "max": no limit
+            found.append(int(text))
+    return min(found) if found else None
+
+
+def pinned_bound(limit: int | None) -> int:
+    """The pinned bytes the pool may hold, given the memory the process may use (``None``:
+    unknown): a share of it, at most :data:`PINNED_CAP`."""
+    return PINNED_UNKNOWN if limit is None else min(limit // PINNED_SHARE, PINNED_CAP)
+
+
+def pinned_size(nbytes: int) -> int:
+    """Page-locked bytes a pinned buffer of ``nbytes`` takes: torch's caching host allocator
+    rounds each allocation up to a power of two (and keeps it when freed)."""
+    return 0 if nbytes <= 0 else 1 << (nbytes - 1).bit_length()
 
 
 def on_device(tree: Any) -> bool:
@@ -44,8 +102,10 @@ def on_device(tree: Any) -> bool:
 
 class PinnedPool:
     """Host buffers for device-to-host copies, reused by shape and dtype, at most ``capacity``
-    bytes of them pinned (``pin``); past that, ordinary memory that is not kept. A base's
-    buffers come back from the commit thread, the records' from the writer thread: hence the lock."""
+    bytes of them pinned (``pin``; counted by :func:`pinned_size`); past that, ordinary memory
+    that is not kept. It grows to what the largest record staged needs, up to ``capacity``, and
+    never gives back what it pinned: freed pinned memory stays with torch's allocator anyway. A
+    lock, as buffers may come back from another thread than the one that took them."""
 
     def __init__(self, capacity: int, pin: bool) -> None:
         self.capacity = capacity
@@ -62,11 +122,11 @@ class PinnedPool:
             if self._free[key]:
                 buf = self._free[key].pop()
             else:
-                nbytes = like.numel() * like.element_size()
-                if self.held + nbytes > self.capacity:
+                size = pinned_size(like.numel() * like.element_size())
+                if self.held + size > self.capacity:
                     return torch.empty(like.shape, dtype=like.dtype)  # past the bound: not pooled
                 buf = torch.empty(like.shape, dtype=like.dtype, pin_memory=self.pin)
-                self.held += nbytes
+                self.held += size
             self._own.add(id(buf))
         return buf
 
@@ -80,10 +140,13 @@ class PinnedPool:
 
 
 class HostStage:
-    """Moves records' device tensors to the host on the writer thread (see the module doc)."""
+    """Moves records' device tensors to the host on the writer thread (see the module doc).
 
-    def __init__(self, pinned_bytes: int = DEFAULT_PINNED_BYTES) -> None:
-        self.pool = PinnedPool(pinned_bytes, pin=torch.cuda.is_available())
+    ``pinned_bytes``: the pool's bound (default: :func:`pinned_bound` of :func:`memory_limit`)."""
+
+    def __init__(self, pinned_bytes: int | None = None) -> None:
+        bound = pinned_bound(memory_limit()) if pinned_bytes is None else pinned_bytes
+        self.pool = PinnedPool(bound, pin=torch.cuda.is_available())
         self._streams: dict[int, Any] = {}
 
     @staticmethod
@@ -97,10 +160,16 @@ class HostStage:
         event.record()
         return event
 
-    def to_host(self, tree: Any, ready: list[Any]) -> tuple[Any, list[torch.Tensor]]:
+    def to_host(self, tree: Any, ready: list[Any], narrow: Sequence[torch.Tensor] = (),
+                pooled: bool = True) -> tuple[Any, list[torch.Tensor]]:
         """``tree`` with every CUDA tensor copied to a host buffer, once the events ``ready``
         completed; and the buffers to :meth:`release` after the record is written. Blocks the
-        calling (writer) thread only."""
+        calling (writer) thread only.
+
+        ``narrow``: tensors of ``tree`` (a record's gradients) copied in bfloat16 where that is
+        exact. ``pooled``: into the pool's buffers; else into ordinary memory (a base's: staged
+        once per base interval, its pinned buffers would hold page-locked memory the size of
+        model and optimizer state between bases, taken from the records' bound)."""
         if not on_device(tree):
             return tree, []
         taken: list[torch.Tensor] = []
@@ -116,14 +185,19 @@ class HostStage:
                     s.wait_event(event)  # on the device: the host does not wait here
             return used[index]
 
+        exact = self._exact([g for g in narrow if g.device.type == "cuda" and narrowable(g)], stream, taken)
+
         def move(obj: Any) -> Any:
             if isinstance(obj, torch.Tensor):
                 if obj.device.type != "cuda":
                     return obj
-                buf = self.pool.take(obj)
-                taken.append(buf)
                 with torch.cuda.stream(stream(obj.device)):
-                    buf.copy_(obj, non_blocking=True)
+                    # The halves are made on the side stream, the only one that uses them: once
+                    # dropped, their memory goes to work queued after this copy.
+                    src = high_halves(obj) if exact.get(id(obj)) else obj
+                    buf = self.pool.take(src) if pooled else torch.empty(src.shape, dtype=src.dtype)
+                    taken.append(buf)
+                    buf.copy_(src, non_blocking=True)
                 return buf
             if isinstance(obj, dict):
                 return {k: move(v) for k, v in obj.items()}
@@ -137,6 +211,31 @@ class HostStage:
         for s in used.values():
             s.synchronize()
         return out, taken
+
+    def _exact(self, grads: list[torch.Tensor], stream: Callable[[torch.device], Any],
+               taken: list[torch.Tensor]) -> dict[int, bool]:
+        """``id(g) -> whether g holds only bfloat16 values`` for ``grads`` (on GPUs): the flags
+        of each device's gradients computed on its side stream and read back with one small copy,
+        which this (writer) thread waits for, and only for it."""
+        by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+        for g in grads:
+            by_device[g.device].append(g)
+        reads = []
+        for device, group in by_device.items():
+            side = stream(device)
+            with torch.cuda.stream(side):
+                flags = exact_flags(group)
+                host = self.pool.take(flags)
+                taken.append(host)
+                host.copy_(flags, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(side)
+            reads.append((group, host, done))
+        exact: dict[int, bool] = {}
+        for group, host, done in reads:
+            done.synchronize()
+            exact.update(zip(map(id, group), host.tolist()))
+        return exact
 
     def release(self, buffers: list[torch.Tensor]) -> None:
         self.pool.give_back(buffers)

@@ -36,7 +36,7 @@ from .lossbound import LossBound
 from .openseg import OpenSegment
 from .options import CheckpointOptions
 from .outage import Outage
-from .recordprep import prepare_record
+from .recordprep import narrow_gradients, prepare_record
 from .runstore import RunStore, loss_path
 from .staging import HostStage
 from .storage import Storage
@@ -97,7 +97,7 @@ class BackgroundWriter:
         # is fenced by the run root's session files, whatever layout the newer job has.
         fence = storage if fence is None else fence
         fence = fence.with_cancel(self._abandon) if isinstance(fence, RetryingStorage) else fence
-        self.narrow_grads = narrow_grads  # gradients stored in 16 bits where exact (recordprep.py)
+        self.narrow_grads = narrow_grads  # gradients stored in 16 bits where exact (narrowing.py)
         # The node-local tier: each open segment's records journaled beside its spool, and at most
         # one record handed over and not journaled, so a process crash loses at most that step.
         self.journal = place_for(options.local_dir, store.storage.url, session)
@@ -339,8 +339,8 @@ class BackgroundWriter:
         for lease in leases:  # gradients training has not let go of yet
             lease.wait(self._abandon)
             events += lease.ready
-        record, staged = self.stage.to_host(record, events)
-        self._last_buffers = prepare_record(record, self._last_buffers, bool(staged), self.narrow_grads)
+        record, staged = self.stage.to_host(record, events, narrow_gradients(record) if self.narrow_grads else ())
+        self._last_buffers = prepare_record(record, self._last_buffers, bool(staged))
         try:
             if self._open is None:
                 self._open = OpenSegment(self.storage, self.gen, self._after, self.options.compression,

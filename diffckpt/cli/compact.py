@@ -24,8 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``compact`` command's own arguments."""
     p.add_argument("--to", type=int, metavar="STEP",
                    help="step to write a base at (a segment end; default: the newest durable step)")
-    p.add_argument("--device", default="cpu",
-                   help="replay on this device; use the device type training ran on for a bit-exact base")
+    p.add_argument("--device", default=None,
+                   help="replay on this device (default: the device type the run trained on, the only one "
+                        "that gives a bit-exact base; refused where there is none)")
     p.add_argument("--allow-module", action="append", default=["torch."], metavar="MODULE",
                    help="also import optimizer classes from MODULE (default: torch.)")
 

@@ -25,15 +25,15 @@ import torch
 from .. import planning
 from ..checksums import fingerprint
 from ..deprecation import renamed_kwargs
-from ..errors import CheckpointNotFoundError
+from ..errors import CheckpointNotFoundError, UnsupportedConfigurationError
 from ..format import BaseName, base_commit
 from ..loading import load_state
 from ..runstore import RunStore
-from ..sharding import local
+from ..sessionfile import training_device  # re-exported: it was defined here
 from ..storage import Storage, open_storage
 from ..tree import pack_parts
 
-__all__ = ["CompactionResult", "compact", "training_device"]
+__all__ = ["CompactionResult", "compact", "recorded_device", "training_device"]
 
 log = logging.getLogger("diffckpt")
 
@@ -65,13 +65,24 @@ class CompactionResult:
                 "steps_per_s": round(self.replayed / self.replay_s, 1) if self.replay_s > 0 else None}
 
 
-def training_device(module: torch.nn.Module) -> str:
-    """Where background compaction replays by default: the device ``module``'s parameters are on
-    (a sharded parameter's local piece; the CPU without parameters). Replay is bit-exact on the
-    device type training ran on, so a base compacted there matches the fingerprints recorded in
-    training."""
-    param = next(module.parameters(), None)
-    return "cpu" if param is None else str(local(param).device)
+def recorded_device(meta: dict[str, Any]) -> str:
+    """Where to replay a session's steps by default: the device type it trained on (its session
+    file's ``device``, :func:`training_device`; the CPU for sessions of diffckpt versions that
+    did not record it), the only one on which replay is bit-exact.
+
+    Raises:
+        UnsupportedConfigurationError: that device is not available here.
+    """
+    device = torch.device(str(meta.get("device", "cpu"))).type
+    here = torch.accelerator.current_accelerator()
+    if device != "cpu" and (here is None or here.type != device):
+        raise UnsupportedConfigurationError(
+            f"session g{meta.get('gen')} trained on {meta['device']}, and replay is bit-exact only on the device type "
+            f"training ran on, but there is no {device.upper()} device here. Compact on a machine that has one, or "
+            f"replay on this one's CPU with --device cpu (device=\"cpu\" from Python): the base may then differ from "
+            "the state training had, so replay checks it against the fingerprints recorded in training and writes "
+            "nothing if they differ (a chain without fingerprints is not checked)")
+    return device
 
 
 def compaction_target(store: RunStore, to: int | None) -> tuple[int, int, int]:
@@ -94,7 +105,7 @@ def compaction_target(store: RunStore, to: int | None) -> tuple[int, int, int]:
 
 
 @renamed_kwargs(url="dirpath")
-def compact(dirpath: str | os.PathLike[str] | Storage, to: int | None = None, *, device: str = "cpu",
+def compact(dirpath: str | os.PathLike[str] | Storage, to: int | None = None, *, device: str | None = None,
             storage_options: dict[str, Any] | None = None, allow_modules: tuple[str, ...] = ("torch.",),
             by: str = "diffckpt compact") -> CompactionResult:
     """Write a base at step ``to`` (``None``: the newest durable step) by replaying stored diffs.
@@ -103,8 +114,9 @@ def compact(dirpath: str | os.PathLike[str] | Storage, to: int | None = None, *,
         dirpath: the run root (local path, fsspec URL or a :class:`Storage`); ``url=`` is a
             deprecated spelling.
         to: a durable step where a segment ends.
-        device: where replay runs; use the device type training ran on for a bit-exact base
-            (replay on another device type is caught by the fingerprints recorded in training).
+        device: where replay runs; ``None``: the device type training ran on
+            (:func:`recorded_device`), the only one that gives a bit-exact base (replay
+            elsewhere is checked against the fingerprints recorded in training).
         storage_options: passed to fsspec.
         allow_modules: modules optimizer classes may be imported from.
         by: who compacted, recorded in the COMMIT marker.
@@ -112,15 +124,18 @@ def compact(dirpath: str | os.PathLike[str] | Storage, to: int | None = None, *,
     Raises:
         CheckpointNotFoundError: ``to`` is not durable or not a segment end.
         ReplayMismatchError: replay diverged from the training fingerprints; nothing is written.
+        UnsupportedConfigurationError: ``device`` is ``None`` and training's device type is not
+            available here.
     """
     start = time.perf_counter()
     store = RunStore(open_storage(dirpath, **(storage_options or {})))
     gen, step, base_step = compaction_target(store, to)
     if base_step == step:
         return CompactionResult(step, gen, base_step, 0, False, None, seconds=time.perf_counter() - start)
+    meta = store.session_meta(gen)
+    device = recorded_device(meta) if device is None else device
     state = load_state(store.storage, step, device=device, allow_modules=allow_modules)
     result = state["result"]
-    meta = store.session_meta(gen)
     model = {k: v.detach().to("cpu") for k, v in state["model"].items()}
     tree: dict[str, Any] = {"model": model, "optimizers": _to_cpu(state["optimizers"]), "state": state["state"]}
     if result.codec_payloads:  # the codec resumes from them, as after replay (see GradientCompressor.restore)

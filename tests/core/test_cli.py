@@ -104,10 +104,10 @@ segments
   10..13       g1   3      7.5 KiB  diffs/000000000010-000000000013.g000001.seg
 
 totals
-  on storage  48.0 KiB (49110 B)
+  on storage  48.0 KiB (49128 B)
   bases       13.8 KiB (14113 B)
   diffs       32.7 KiB (33461 B) over 13 steps, 2.5 KiB per step
-  other       1.5 KiB (1536 B)
+  other       1.5 KiB (1554 B)
 
 resume any durable step N with ckpt_path="<TMP>/run/step=N"
 """

@@ -18,7 +18,10 @@ from test_compressed import CODECS, Run
 from test_compressed import make as make_coded
 
 from diffckpt import CheckpointEngine, CheckpointNotFoundError, ReplayMismatchError, compact
+from diffckpt.cli import main
 from diffckpt.codecs.compressor import GradientCompressor
+from diffckpt.errors import UnsupportedConfigurationError
+from diffckpt.lifecycle.compaction import recorded_device
 from diffckpt.runstore import RunStore
 from diffckpt.storage import open_storage
 
@@ -93,6 +96,48 @@ def test_steps_that_cannot_take_a_base_are_refused(run: tuple[Path, dict[int, An
     with pytest.raises(CheckpointNotFoundError, match=message):
         compact(root, to)
     assert not base_dir(root, to).exists()
+
+
+def _accelerator(monkeypatch: pytest.MonkeyPatch, device: str | None) -> None:
+    """What ``torch.accelerator`` reports here, whatever this machine has."""
+    here = None if device is None else torch.device(device)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *args, **kwargs: here)
+
+
+def test_replay_defaults_to_the_device_type_the_session_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert recorded_device({"gen": 1, "device": "cpu"}) == "cpu"
+    assert recorded_device({"gen": 1}) == "cpu"  # sessions of versions that did not record it
+    _accelerator(monkeypatch, "cuda")
+    assert recorded_device({"gen": 1, "device": "cuda:1"}) == "cuda"  # the type: any GPU here replays it
+    _accelerator(monkeypatch, None)
+    with pytest.raises(UnsupportedConfigurationError, match=r"trained on cuda:1.*no CUDA device here"):
+        recorded_device({"gen": 1, "device": "cuda:1"})
+
+
+def test_a_run_trained_on_cuda_is_compacted_on_cuda_or_refused(run: tuple[Path, dict[int, Any]],
+                                                               monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """The session file records the device training ran on, and ``compact`` replays there unless
+    told otherwise. A CUDA run (faked in its session file) on a machine without CUDA is refused,
+    naming the way out: ``--device cpu``, checked against training's fingerprints."""
+    root, truth = run
+    session = root / "sessions" / "g000001.json"
+    meta = json.loads(session.read_text())
+    assert meta["device"] == "cpu"
+    assert compact(root, 6).written
+    assert json.loads((base_dir(root, 6) / "COMMIT").read_text())["compacted"]["device"] == "cpu"
+    session.write_text(json.dumps({**meta, "device": "cuda:0"}))
+    _accelerator(monkeypatch, None)
+    with pytest.raises(UnsupportedConfigurationError, match="--device cpu"):
+        compact(root, 9)
+    assert main(["compact", str(root), "--to", "9"]) == 2
+    err = capsys.readouterr().err
+    assert "error: session g1 trained on cuda:0" in err and "no CUDA device here" in err and "--device cpu" in err
+    assert not base_dir(root, 9).exists()
+    assert main(["compact", str(root), "--to", "9", "--device", "cpu"]) == 0
+    info, tree = _base(root, 9)
+    assert info["compacted"]["device"] == "cpu"
+    assert_bitwise_equal(truth[9]["model"], tree["model"])  # training ran on the CPU after all
 
 
 def test_replay_that_diverges_from_training_writes_nothing(run: tuple[Path, dict[int, Any]]) -> None:

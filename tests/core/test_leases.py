@@ -218,15 +218,21 @@ def test_host_records_pass_the_stage_untouched() -> None:
 
 
 @pytest.mark.cuda
-def test_capture_never_synchronises_the_training_stream(tmp_path: Path) -> None:
+@pytest.mark.parametrize("bf16_valued", [False, True], ids=["float32", "bf16-valued"])
+def test_capture_never_synchronises_the_training_stream(tmp_path: Path, bf16_valued: bool) -> None:
     """With CUDA's sync debug mode on, every implicit synchronisation (a blocking device-to-host
     copy, ``.item()``) is reported: none may come from the training thread while it records
     every step. The mode is process-wide, and the writer thread waits for its own side stream by
-    design (``staging.py``), so the mode is "warn" and each report is attributed to its thread."""
+    design (``staging.py``), so the mode is "warn" and each report is attributed to its thread.
+    ``bf16-valued``: the first layer's gradients hold bfloat16 values (as under bf16 autocast), so
+    the writer narrows them on the device (reading their flags back) while training goes on."""
     import warnings
 
     batches = {step: batch(step, "cuda") for step in range(1, STEPS + 1)}  # the test's own copies
     loop = Loop("set_to_none", "cuda", batches)
+    if bf16_valued:
+        for p in loop.model[0].parameters():
+            p.register_hook(lambda g: g.to(torch.bfloat16).to(torch.float32))
     engine = CheckpointEngine(str(tmp_path), CheckpointOptions(write_batch=2, base_every_n_steps=None,
                                                                fingerprint_every_n_steps=None))
     engine.start(loop.model, [loop.opt], 0)

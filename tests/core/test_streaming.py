@@ -256,7 +256,7 @@ def test_records_after_the_newest_restorable_one_move_on_to_the_next_segment(tmp
 
 
 def test_bfloat16_valued_gradients_narrow_chunk_by_chunk() -> None:
-    from diffckpt.sharding import _NARROW_CHUNK, narrowed
+    from diffckpt.narrowing import _NARROW_CHUNK, narrowed
 
     g = torch.randn(2 * _NARROW_CHUNK + 5, 3).to(torch.bfloat16).to(torch.float32)
     h = narrowed(g)
