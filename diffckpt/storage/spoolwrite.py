@@ -4,9 +4,11 @@ Every append is ``pwritev`` at the offset it belongs at: from the writer thread,
 record, in chunks from a few helper threads at once where that measured faster on the spool's file
 system. Measured, not assumed: Linux holds a file's inode lock (``i_rwsem``) through the whole of a
 buffered write (ext4, tmpfs and xfs alike), so threads writing one file mostly take turns, and
-each thread's handoff costs. ``bench/pipeline.py`` found no gain on 2 cores and at most a few
-percent on 16 (docs/benchmarks.md, "The writer pipeline"): each file system is tried both ways
-for :data:`TRIALS` large appends, then the faster way is kept, and keeps being measured.
+each handoff costs. On 16 cores, 2 to 8 threads wrote 64 to 256 MiB into tmpfs and ext4 at -20%
+to +18% of one thread's rate; on a 2-core VM whose disk throttles writers past its dirty-page
+limit, 2 threads were sometimes twice as fast (docs/benchmarks.md, "The writer pipeline"). So
+each file system is tried both ways for :data:`TRIALS` large appends, then the faster way is
+kept, and keeps being measured.
 
 :class:`Target` holds those figures per file system (``st_dev``), for the whole process: the
 segment encoder reads :meth:`Target.rate` to decide whether zstd shortens a write
@@ -35,8 +37,8 @@ __all__ = ["CHUNK", "PARALLEL_MIN", "TRIALS", "WRITERS", "Target", "helpers", "t
 
 PARALLEL_MIN = 64 << 20
 """Appends at least this large may go out from several threads; smaller ones always go from the
-writer thread, since a thread's handoff costs more than it could save (at 1 MiB, 2 to 4 threads
-took twice as long as one on every target measured)."""
+writer thread, since a thread's handoff costs more than it could save (at 1 MiB, 2 to 8 threads
+took about twice as long as one on every target measured)."""
 
 CHUNK = 16 << 20
 """Bytes each helper writes at a time in a parallel append."""
