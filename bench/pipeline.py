@@ -73,7 +73,7 @@ from diffckpt.runstore import RunStore
 from diffckpt.segment import ZSTD_THREADS, SegmentEncoder, zstd_shortens
 from diffckpt.sharding import narrowed
 from diffckpt.storage import FsspecStorage, Spool
-from diffckpt.storage.spoolwrite import WRITERS
+from diffckpt.storage.spoolwrite import PARALLEL_MIN, WRITERS, target_of
 from diffckpt.tree import pack_parts
 from diffckpt.units import format_bytes
 from diffckpt.writer import BackgroundWriter
@@ -334,6 +334,9 @@ def main() -> None:
                         seconds[run].append(writer_run(folder, grads, groups, args.records))
                 print(f"{name} round {rnd + 1}: " + ", ".join(f"{k} {rate(stored * args.records, v[-1]):,.0f} MB/s"
                                                              for k, v in seconds.items()), flush=True)
+            fd = os.open(folder, os.O_RDONLY)  # the spools' file system: which way large appends took in the end
+            way = target_of(fd).workers(PARALLEL_MIN)
+            os.close(fd)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         total = stored * args.records
@@ -341,7 +344,7 @@ def main() -> None:
         rates["raw"] = max(rates["raw1"], rates[f"raw{WRITERS}"])
         rates["raw+fsync"] = max(rates["raw1+fsync"], rates[f"raw{WRITERS}+fsync"])
         figures["targets"][name] = {
-            "folder": parent, "rates": rates, "decided": sorted(decided),
+            "folder": parent, "rates": rates, "decided": sorted(decided), "spool_writers": way,
             "zstd_would_shorten": zstd_shortens(SAMPLE, int(sample_packed), sample_s, rates["spool"] * MB),
         }
     lines = report(figures, info, args)
@@ -383,7 +386,8 @@ def report(figures: dict[str, Any], info: list[str], args: argparse.Namespace) -
                      f"{'pass' if r['openseg'] >= TARGET_RATIO * r['raw'] else 'miss'})"
                      + (f", `BackgroundWriter` at {r['writer'] / r['raw+fsync']:.0%} of raw with fsync"
                         if "writer" in r else "")
-                     + f"; auto chose {'/'.join(t['decided'])} (zstd would shorten the write: {t['zstd_would_shorten']})")
+                     + f"; auto chose {'/'.join(t['decided'])} (zstd would shorten the write: {t['zstd_would_shorten']}); "
+                     f"large appends settled on {t['spool_writers']} thread(s)")
     return lines
 
 
