@@ -49,6 +49,13 @@ bench: $(VENV)/.installed-bench
 bench-local-tier: $(VENV)/.installed-bench
 	$(BIN)/python bench/local_tier.py --threads 1  # a core left for the writer
 
+# The writer's path of one record at GPT-2 124M size, stage by stage, against the raw bandwidth of
+# /dev/shm and of the disk (docs/benchmarks.md, "The writer pipeline"): about 10 minutes, 6 GB of RAM
+# and 5 GB on /dev/shm and in /var/tmp at a time.
+.PHONY: bench-pipeline
+bench-pipeline: $(VENV)/.installed-bench
+	$(BIN)/python bench/pipeline.py
+
 # GPT-2 124M shapes on the CPU, one training thread, 3 interleaved rounds (docs/benchmarks.md,
 # "At real model sizes"): long (tens of minutes) and several GB on the temp dir's disk.
 .PHONY: bench-scale

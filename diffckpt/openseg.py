@@ -17,18 +17,21 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .checksums import Buffer
 from .errors import StorageError
 from .format import SegmentName
 from .journal import JournalPlace, JournalWriter, make_folder
 from .segment import SegmentEncoder
 from .storage import Storage
 from .storage.spool import Spool, open_spool, temporary_spool
+from .storage.spoolwrite import helpers
 
 log = logging.getLogger("diffckpt")
 
 __all__ = ["OpenSegment"]
 
 _COPY = 8 << 20  # bytes moved at a time when records move on to the next segment
+_BESIDE = 1 << 20  # records this large are hashed beside their write; a thread's handoff costs more below
 
 
 class OpenSegment:
@@ -47,7 +50,8 @@ class OpenSegment:
         self.after = after
         self.compression = compression
         self.level = level
-        self.encoder = SegmentEncoder({"gen": gen, "after": after}, compression, level, decided)
+        self.encoder = SegmentEncoder({"gen": gen, "after": after}, compression, level, decided,
+                                      write_rate=self._write_rate)
         # The node-local tier: each record's place and checksum, so that a resume on this node
         # after a crash takes the records back from the spool (journal.py).
         self.journal: JournalWriter | None = None
@@ -113,11 +117,31 @@ class OpenSegment:
     def __len__(self) -> int:
         return len(self.steps)
 
+    def _write_rate(self) -> float | None:
+        """What zstd would save time for (``segment.zstd_shortens``): the spool's file system, for
+        every spool. Each record's path ends there, on the writer thread, with training waiting for
+        the record before it: compression must not slow it. The upload or copy after it (an object
+        store, a local root fed from a tier in memory) is paced by ``durability``, off that path;
+        ``compression="zstd"`` asks for smaller uploads whatever it costs there."""
+        return self.spool.write_rate()
+
     def add(self, record: dict[str, Any]) -> None:
-        """Encode ``record`` and append its bytes; nothing of it is kept in memory."""
+        """Encode ``record`` and append its bytes; nothing of it is kept in memory. A large record
+        is hashed on a helper thread while its bytes are written (both release the GIL)."""
         start = time.monotonic()
-        parts = self.encoder.add(record)
+        blob = self.encoder.encode(record)
         self.encode_s += time.monotonic() - start
+        checksum = helpers().submit(self.encoder.checksum, blob) if blob.length >= _BESIDE else None
+        try:
+            self._append(blob.parts)
+        finally:  # the hash reads the record's memory: it ends before the record may go
+            digest = checksum.result() if checksum is not None else None
+        self.encoder.added(blob, digest or self.encoder.checksum(blob))
+        self.steps.append((record["step"], record.get("state") is not None))
+        self.ends.append(self.spool.size)
+        self._journal(-1)
+
+    def _append(self, parts: list[Buffer]) -> None:
         try:
             self.spool.append(parts)
         except StorageError as exc:  # a full disk
@@ -125,9 +149,6 @@ class OpenSegment:
                 raise
             self._to_memory(exc)
             self.spool.append(parts)
-        self.steps.append((record["step"], record.get("state") is not None))
-        self.ends.append(self.spool.size)
-        self._journal(-1)
 
     def _journal(self, i: int) -> None:
         if self.journal is not None and self.journaling:  # after the bytes: a journaled record is in the spool

@@ -85,8 +85,13 @@ class CheckpointOptions:
         max_pending_bytes: memory the queue to the background writer may hold; when full, the
             training thread waits (and warns) rather than dropping anything.
         compression: ``"auto"`` (zstd when a sample of the segment's first record shrinks by at
-            least 10%: dense float32 gradients usually do not, RNG states and compressed
-            payloads do), ``"zstd"`` or ``"none"``.
+            least 10%, as dense float32 gradients usually do not and RNG states and compressed
+            payloads do, *and* compressing it took less time than writing the bytes it saves:
+            never slower than the spool it writes to, where each record's path ends with training
+            waiting for the record before it (the rate measured on the spool's file system; the
+            upload or copy to the run root after it is paced by ``durability``, off that path),
+            ``"zstd"`` (compressed by up to 8 worker threads, half the cores, on 4 cores or more)
+            or ``"none"``.
         compression_level: zstd level (1 is fast and keeps up with training on few cores).
         retry: how transient storage failures (timeouts, 5xx, throttling, resets) are retried.
         on_storage_error: what happens when storage has been failing for longer than

@@ -10,7 +10,10 @@ a whole one.
 from __future__ import annotations
 
 import json
+import os
 import struct
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +26,8 @@ from .format import CHECKSUMS, FORMAT_VERSION, checksum_for, is_int
 __all__ = [
     "LEAD_READ",
     "SEGMENT_MAGIC",
+    "ZSTD_THREADS",
+    "Blob",
     "SegmentEncoder",
     "SegmentIndex",
     "decode_segment",
@@ -32,6 +37,7 @@ __all__ = [
     "lead_length",
     "parse_index",
     "segment_lead",
+    "zstd_shortens",
 ]
 
 # Unchanged in format 2: the version that governs decoding is the header's ``format`` key, read
@@ -43,16 +49,66 @@ _SAMPLE = 1 << 18
 _WORTHWHILE = 1.1
 
 
-def _compression_pays(parts: list[Buffer], compressor: zstandard.ZstdCompressor) -> bool:
-    """Whether zstd shrinks a sample from the middle of a record's largest part by at least 10%.
+def _zstd_threads() -> int:
+    """zstd's worker threads for a record: half the cores, at most 8 (on 16 cores, 4 threads
+    compressed about 3.4 times as fast as one, 8 hardly more), none below 4 cores, where a worker
+    only adds its handoff (2 cores: one worker compressed at two thirds of the caller's rate)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return 0 if cores < 4 else min(8, cores // 2)
 
-    Dense float32 gradients shrink by only ~8% at a CPU cost that competes with training on
-    small machines; RNG states, indices and low-precision payloads shrink far more.
-    """
+
+ZSTD_THREADS = _zstd_threads()
+
+
+def zstd_shortens(raw: int, packed: int, seconds: float, write_rate: float | None) -> bool:
+    """Whether zstd shortens writing data like a sample of ``raw`` bytes that compressed to
+    ``packed`` bytes in ``seconds``, to a target that takes ``write_rate`` bytes per second.
+
+    It must shrink the sample by at least 10% (dense float32 gradients shrink by ~8%; RNG states,
+    indices and low-precision payloads far more), and compressing must cost less time than
+    writing the bytes it saves: ``seconds < (raw - packed) / write_rate``. That is the rule
+    "zstd's throughput above the target's bandwidth" made exact for a record that is compressed
+    and then written: at a ratio ``r`` zstd must run ``r / (r - 1)`` times as fast as the target
+    (at 1.29, bfloat16 gradients', 4.4 times). The sample is compressed on one thread, so with
+    :data:`ZSTD_THREADS` workers the records compress faster than it says: the rule errs towards
+    writing them raw. ``write_rate=None`` (a target whose rate could not be measured): the ratio
+    alone decides."""
+    if raw < _WORTHWHILE * packed:
+        return False
+    return write_rate is None or seconds * write_rate < raw - packed
+
+
+def _decide(parts: list[Buffer], level: int, write_rate: float | None, clock: Callable[[], float]) -> str:
+    """``"zstd"`` or ``"none"`` for a segment, from a sample from the middle of its first
+    record's largest part, compressed and timed here (:func:`zstd_shortens`)."""
     largest = memoryview(max(parts, key=len)).cast("B")
     start = max(0, len(largest) // 2 - _SAMPLE // 2)
     sample = largest[start : start + _SAMPLE]
-    return len(sample) >= _WORTHWHILE * len(compressor.compress(sample))
+    compressor = zstandard.ZstdCompressor(level=level)
+    began = clock()
+    packed = len(compressor.compress(sample))
+    return "zstd" if zstd_shortens(len(sample), packed, clock() - began, write_rate) else "none"
+
+
+@dataclass
+class Blob:
+    """A record encoded and not yet hashed: its stored bytes (compressed or the tree buffer's
+    parts as views of the tensors), preceded in :attr:`parts` by the segment's lead for its
+    first record."""
+
+    step: int
+    lead: bytes | None
+    stored: list[Buffer]
+    raw_length: int
+
+    @property
+    def parts(self) -> list[Buffer]:
+        """What to append, in order."""
+        return [self.lead, *self.stored] if self.lead is not None else self.stored
+
+    @property
+    def length(self) -> int:
+        return sum(len(p) for p in self.stored)
 
 
 class SegmentEncoder:
@@ -61,17 +117,26 @@ class SegmentEncoder:
     :meth:`add` returns the bytes to append for each record (the lead first, with the first
     record); :meth:`tail` the index and trailer that end the segment. Nothing of an earlier record
     is kept but its index entry, so a segment of any size is written with one record in memory.
-    ``compression="auto"`` is decided on a sample of the first record (zstd only if it shrinks by
-    at least 10%); ``decided`` carries a decision over from a segment whose records move on.
+    The writer splits :meth:`add` in two, :meth:`encode` and :meth:`added`, to hash a record
+    (:meth:`checksum`) while its bytes are written.
+
+    ``compression="auto"`` is decided on a sample of the first record (:func:`zstd_shortens`:
+    zstd only where it shrinks the sample by at least 10% and shortens the write to a target
+    that takes ``write_rate()`` bytes per second); ``decided`` carries a decision over from a
+    segment whose records move on. ``clock`` times the sample (tests pass their own).
     """
 
-    def __init__(self, header: dict[str, Any], compression: str, level: int, decided: str | None = None) -> None:
+    def __init__(self, header: dict[str, Any], compression: str, level: int, decided: str | None = None,
+                 write_rate: Callable[[], float | None] = lambda: None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.header = header
         self.level = level
         self.compression = decided if decided is not None else (None if compression == "auto" else compression)
         if self.compression not in (None, "zstd", "none"):
             raise ValueError(f"unknown compression {compression!r}")
-        self.compressor = zstandard.ZstdCompressor(level=level)
+        self.write_rate = write_rate
+        self.clock = clock
+        self.compressor: zstandard.ZstdCompressor | None = None
         self.lead: bytes | None = None
         self.entries: list[dict[str, Any]] = []
         self.raw_bytes = 0
@@ -80,29 +145,42 @@ class SegmentEncoder:
     def add(self, record: Any) -> list[Buffer]:
         """The buffers that append ``record``'s blob (preceded, for the first, by the lead).
         Tensor memory is not copied unless compressed."""
+        blob = self.encode(record)
+        self.added(blob, self.checksum(blob))
+        return blob.parts
+
+    def encode(self, record: Any) -> Blob:
+        """``record`` packed (views of its tensors) and compressed if the segment is; the lead
+        made first, with the first record, once the compression is decided."""
         # torch: `diffckpt ls` and `gc` read names and commits without it
         from .tree import pack_parts
 
         parts = pack_parts(record)
-        out: list[Buffer] = []
+        lead = None
         if self.lead is None:
             if self.compression is None:
-                self.compression = "zstd" if _compression_pays(parts, self.compressor) else "none"
-            out.append(self.start())
+                self.compression = _decide(parts, self.level, self.write_rate(), self.clock)
+            lead = self.start()
         raw_length = sum(len(p) for p in parts)
         if self.compression == "zstd":
-            stream = self.compressor.compressobj(size=raw_length)
-            parts = [b"".join([*(stream.compress(p) for p in parts), stream.flush()])]
-        self.entries.append(self.entry(record["step"], parts, raw_length))
-        self.raw_bytes += raw_length
-        self.stored_bytes += sum(len(p) for p in parts)
-        return [*out, *parts]
+            if self.compressor is None:  # zstd's workers compress with the GIL released
+                self.compressor = zstandard.ZstdCompressor(level=self.level, threads=ZSTD_THREADS)
+            stream = self.compressor.compressobj(size=raw_length)  # one frame, its size in its header
+            parts = [piece for piece in (*(stream.compress(p) for p in parts), stream.flush()) if piece]
+        return Blob(record["step"], lead, parts, raw_length)
 
     @staticmethod
-    def entry(step: int, parts: list[Buffer], raw_length: int) -> dict[str, Any]:
-        algorithm = CHECKSUMS[FORMAT_VERSION]
-        return {"step": step, "length": sum(len(p) for p in parts), "raw_length": raw_length,
-                algorithm.key: algorithm.hash_parts(parts).hexdigest()}
+    def checksum(blob: Blob) -> str:
+        """The hex digest of ``blob``'s stored bytes (XXH3-128, without a copy)."""
+        return CHECKSUMS[FORMAT_VERSION].hash_parts(blob.stored).hexdigest()
+
+    def added(self, blob: Blob, checksum: str) -> None:
+        """``blob`` is in the segment: its index entry, with its :meth:`checksum`."""
+        length = blob.length
+        self.entries.append({"step": blob.step, "length": length, "raw_length": blob.raw_length,
+                             CHECKSUMS[FORMAT_VERSION].key: checksum})
+        self.raw_bytes += blob.raw_length
+        self.stored_bytes += length
 
     def start(self) -> bytes:
         """The lead, which begins the segment (its compression decided by then)."""

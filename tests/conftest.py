@@ -1,7 +1,12 @@
+import contextlib
 import os
+import subprocess
 import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
+from helpers import root_only
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -84,3 +89,33 @@ def s3_via_proxy(s3_bucket, fault_proxy):
     from s3env import S3Target
 
     return S3Target.create(fault_proxy.url, s3_bucket.bucket)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
+    """``small_disk(free)``: a tmpfs with about ``free`` bytes (whole pages) left."""
+    root_only()
+    mounts: list[Path] = []
+
+    def make_disk(free: int) -> Path:
+        folder = tmp_path / f"disk{len(mounts)}"
+        folder.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=1777", "tmpfs", str(folder)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+        mounts.append(folder)
+        filler = folder / "filler"
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:  # fill it, then give back what should stay free
+            with contextlib.suppress(OSError):
+                while os.write(fd, b"\0" * 4096):
+                    pass
+        finally:
+            os.close(fd)
+        os.truncate(filler, max(0, filler.stat().st_size - free))
+        return folder
+
+    yield make_disk
+    for folder in mounts:
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True)

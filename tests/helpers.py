@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -227,3 +228,9 @@ def count_tensors(state: Any) -> int:
     if isinstance(state, (list, tuple)):
         return sum(count_tensors(v) for v in state)
     return 0
+
+
+def root_only() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root (CI runs as root): a second user, or a tmpfs mount")
+

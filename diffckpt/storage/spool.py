@@ -14,14 +14,13 @@ a reader which of the two it gets, so that it can read whole objects instead of 
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import errno
 import inspect
-import itertools
 import os
 import re
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from types import TracebackType
@@ -29,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import StorageError
 from .nodelocal import lock, locked, open_private, private_folder, user_folder
+from .spoolwrite import target_of, views_of, write_at
 
 if TYPE_CHECKING:  # protocol.py imports this module (Data includes Spool): no import back at run time
     from .protocol import Buffer
@@ -47,15 +47,11 @@ def spool_folder() -> str:
     return os.path.join(user_folder(tempfile.gettempdir()), SPOOL_FOLDER)
 
 
-def _iov_max() -> int:
-    # writev takes at most IOV_MAX buffers at once (1024 on Linux); a record may have more tensors.
-    try:
-        return max(16, os.sysconf("SC_IOV_MAX"))
-    except (ValueError, OSError):
-        return 1024
-
-
-_IOV_MAX = _iov_max()
+PROBE = 1 << 20
+"""Bytes :meth:`Spool.write_rate` writes (and cuts off again) to measure a file system that
+nothing was appended to yet: small enough to cost well under a millisecond, large enough that the
+call itself does not dominate (a small write measures a little faster than a large one, which errs
+towards writing without compression)."""
 
 
 class Spool:
@@ -89,6 +85,7 @@ class Spool:
         else:
             fd = _fd
         self._file = open(fd, "r+b", buffering=0)  # open as long as the spool is
+        self._target = target_of(fd)  # what its file system was measured to take
 
     @classmethod
     def in_memory(cls, name: str) -> Spool:
@@ -109,16 +106,39 @@ class Spool:
 
     def append(self, parts: Sequence[Buffer]) -> int:
         """Write ``parts`` in order after what was appended before; return the offset where they
-        start. If writing fails, the spool is as it was before (the partial write is cut off)."""
+        start. If writing fails, the spool is as it was before (the partial write is cut off).
+
+        A large append may go out from several threads at once (``spoolwrite.py``: where its file
+        system measured faster that way); each append's time is measured for :meth:`write_rate`."""
         start = self.size
+        views = views_of(parts)
+        size = sum(v.nbytes for v in views)
+        workers = self._target.workers(size)
+        began = time.perf_counter()
         try:
-            self.size += _write_all(self._file.fileno(), parts)
+            self.size += write_at(self._file.fileno(), views, start, workers)
         except OSError as exc:
             # Later offsets must stay those of `size`: drop whatever part of the buffers went out.
             with contextlib.suppress(OSError):
                 self.truncate(start)
             raise _failed("append to", self, exc) from exc
+        self._target.note(size, time.perf_counter() - began, workers)
         return start
+
+    def write_rate(self) -> float | None:
+        """Bytes per second appends to this spool's file system took in this process; where none
+        was made yet, measured on :data:`PROBE` bytes appended and cut off again. ``None`` if that
+        fails (a full disk, which the next append reports)."""
+        rate = self._target.rate()
+        if rate is None:
+            start = self.size
+            try:
+                self.append([bytes(PROBE)])
+            except StorageError:
+                return None
+            self.truncate(start)
+            rate = self._target.rate()
+        return rate
 
     def read_at(self, offset: int, size: int) -> bytes:
         """The ``size`` bytes appended at ``offset`` (``pread``: appending is not disturbed)."""
@@ -139,9 +159,7 @@ class Spool:
         """Keep only the first ``size`` bytes; the next append starts there."""
         if not 0 <= size <= self.size:
             raise ValueError(f"cannot truncate {self!r} to {size} bytes")
-        fd = self._file.fileno()
-        os.ftruncate(fd, size)
-        os.lseek(fd, size, os.SEEK_SET)  # writev writes at the file position
+        os.ftruncate(self._file.fileno(), size)  # appends write at `size`, not at the file's position
         self.size = size
 
     def chunks(self, size: int = 8 << 20) -> Iterator[bytes]:
@@ -180,23 +198,6 @@ class Spool:
 
     def __repr__(self) -> str:
         return f"Spool({self.path!r}, size={self.size})"
-
-
-def _write_all(fd: int, parts: Sequence[Buffer]) -> int:
-    """Write ``parts`` at the file's position with as few ``writev`` calls as the kernel allows
-    (it may write fewer bytes than asked, and takes at most IOV_MAX buffers); return the count."""
-    pending = collections.deque(v for v in (memoryview(p).cast("B") for p in parts) if v.nbytes)
-    total = 0
-    while pending:
-        written = os.writev(fd, list(itertools.islice(pending, _IOV_MAX)))
-        total += written
-        while written:  # drop the buffers that went out, keep the rest of one cut short
-            if written >= pending[0].nbytes:
-                written -= pending.popleft().nbytes
-            else:
-                pending[0] = pending[0][written:]
-                written = 0
-    return total
 
 
 def _failed(action: str, spool: Spool | str, exc: OSError) -> StorageError:

@@ -19,7 +19,6 @@ import os
 import shutil
 import stat
 import struct
-import subprocess
 import tempfile
 import threading
 import time
@@ -32,6 +31,7 @@ import pytest
 import torch
 import xxhash
 from engine_runs import OPTIONS, FaultyStorage, Truth, assert_state, make, snapshot, train_steps
+from helpers import root_only
 from test_local_tier import (  # the fixtures too: one killed training process per module
     DURABLE,
     STEPS,
@@ -58,11 +58,6 @@ OTHER = 65534  # the second user (nobody)
 
 
 # ------------------------------------------------------------------------------------ fixtures
-def _root_only() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("needs root (CI runs as root): a second user, or a tmpfs mount")
-
-
 @pytest.fixture
 def shared_tmp() -> Iterator[Path]:
     """A temporary folder every user may write to, like /tmp (sticky, 1777), outside pytest's
@@ -81,40 +76,10 @@ def _auto_is_the_temporary_folder(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("diffckpt.journal.default_local_dir", tempfile.gettempdir)
 
 
-@pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
-    """``small_disk(free)``: a tmpfs with about ``free`` bytes (whole pages) left."""
-    _root_only()
-    mounts: list[Path] = []
-
-    def make_disk(free: int) -> Path:
-        folder = tmp_path / f"disk{len(mounts)}"
-        folder.mkdir()
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=1777", "tmpfs", str(folder)],
-                              capture_output=True, text=True)
-        if done.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-        mounts.append(folder)
-        filler = folder / "filler"
-        fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o644)
-        try:  # fill it, then give back what should stay free
-            with contextlib.suppress(OSError):
-                while os.write(fd, b"\0" * 4096):
-                    pass
-        finally:
-            os.close(fd)
-        os.truncate(filler, max(0, filler.stat().st_size - free))
-        return folder
-
-    yield make_disk
-    for folder in mounts:
-        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
-
-
 def as_other_user(fn: Callable[[], None], timeout: float = 120.0) -> None:
     """Run ``fn`` in a forked child that dropped to uid/gid 65534 first: a second user of the
     machine, with this process's modules already imported. Its failure is raised here."""
-    _root_only()
+    root_only()
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: never returns into pytest
@@ -458,7 +423,7 @@ def test_11_a_journal_planted_in_the_shared_folder_deletes_nothing(
         tmp_path: Path, shared_tmp: Path, truth: Truth, monkeypatch: pytest.MonkeyPatch) -> None:
     """Item 11: another user planted a journal where the victim's resume looked (the shared
     ``diffckpt-journal`` folder), naming a file of the victim's; the resume deleted that file."""
-    _root_only()
+    root_only()
     root = tmp_path / "run"
     monkeypatch.setattr(tempfile, "tempdir", str(shared_tmp))
     truth, durable = _train(str(root), "auto", 5)
@@ -480,7 +445,7 @@ def test_11_a_user_folder_squatted_by_another_user_is_refused(
         tmp_path: Path, shared_tmp: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     """Item 11: a folder made in the victim's name by another user, holding a planted journal: it
     is never read nor written (the tier is off, with a warning naming it), and nothing goes."""
-    _root_only()
+    root_only()
     root = tmp_path / "run"
     squat = shared_tmp / f"diffckpt-{os.geteuid()}"
     victim = tmp_path / "precious.txt"

@@ -39,6 +39,7 @@ from diffckpt.storage import (
     open_storage,
     ranged,
     read_range,
+    spoolwrite,
 )
 from diffckpt.storage import fsspec_storage as fsspec_module
 from diffckpt.storage import spool as spool_module
@@ -90,8 +91,8 @@ def test_append_gives_offsets_and_chunks_read_back_in_order(tmp_path: Path) -> N
 
 
 def test_short_writes_are_completed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real = os.writev
-    monkeypatch.setattr(os, "writev", lambda fd, bufs: real(fd, [bytes(bufs[0])[:3]]))
+    real = os.pwritev
+    monkeypatch.setattr(os, "pwritev", lambda fd, bufs, offset: real(fd, [bytes(bufs[0])[:3]], offset))
     with Spool(str(tmp_path / "s.tmp")) as spool:
         spool.append([b"0123456789", b"", b"abcdefg"])
         assert spool.read_at(0, spool.size) == b"0123456789abcdefg"
@@ -101,16 +102,16 @@ def test_short_writes_are_completed(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 def test_a_failed_append_leaves_the_spool_as_it_was(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     spool = Spool(str(tmp_path / "s.tmp"))
     spool.append([b"kept"])
-    real = os.writev
+    real = os.pwritev
     calls = []
 
-    def full_disk(fd: int, bufs: list[Any]) -> int:
+    def full_disk(fd: int, bufs: list[Any], offset: int) -> int:
         calls.append(fd)
         if len(calls) == 1:
-            return real(fd, [bufs[0]])  # the first buffer goes out, then the disk is full
+            return real(fd, [bufs[0]], offset)  # the first buffer goes out, then the disk is full
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(os, "writev", full_disk)
+    monkeypatch.setattr(os, "pwritev", full_disk)
     with pytest.raises(StorageError, match="disk is full"):
         spool.append([b"lost-", b"too"])
     monkeypatch.undo()
@@ -139,6 +140,115 @@ def test_data_size_and_as_bytes(tmp_path: Path) -> None:
     assert data_size(doubles) == 8  # bytes, not elements
     assert as_bytes([b"ab", memoryview(b"c")]) == b"abc"
     spool.discard()
+
+
+# ------------------------------------------------------------------------------- parallel appends
+@pytest.fixture
+def small_pieces(monkeypatch: pytest.MonkeyPatch) -> int:
+    """Parallel appends from 64 KiB on, in 16 KiB pieces: the threshold and the cuts in reach of
+    small payloads. Returns the threshold."""
+    monkeypatch.setattr(spoolwrite, "PARALLEL_MIN", 64 * 1024)
+    monkeypatch.setattr(spoolwrite, "CHUNK", 16 * 1024)
+    return spoolwrite.PARALLEL_MIN
+
+
+def forced(monkeypatch: pytest.MonkeyPatch, workers: int) -> None:
+    """Every append of a spool opened after this goes out from ``workers`` threads."""
+    monkeypatch.setattr(spoolwrite.Target, "workers", lambda self, size: workers)
+
+
+@pytest.mark.parametrize("workers", [2, 3, 4])
+def test_parallel_appends_write_the_bytes_of_serial_ones(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small_pieces: int, workers: int) -> None:
+    chunk = spoolwrite.CHUNK
+    batches = [[payload(small_pieces - 1, 1)], [payload(small_pieces, 2)], [payload(small_pieces + 1, 3)],
+               [payload(n, 10 + i) for i, n in enumerate([5, chunk - 5, 1, chunk, 3 * chunk + 17, 0, 999])],
+               [memoryview(bytearray(range(256)) * 512).cast("f")], [payload(7, 4)]]  # a float view; a small one
+    files = {}
+    for way in (1, workers):
+        forced(monkeypatch, way)
+        spool = Spool(str(tmp_path / f"s{way}.tmp"))
+        offsets = [spool.append(parts) for parts in batches]
+        files[way] = (offsets, spool.size, spool.read_at(0, spool.size))
+        spool.discard()
+    assert files[workers] == files[1]
+    assert files[1][2] == b"".join(bytes(memoryview(p).cast("B")) for parts in batches for p in parts)
+
+
+def test_a_large_append_goes_the_way_its_file_system_measured_faster(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small_pieces: int) -> None:
+    monkeypatch.setattr(spoolwrite, "WRITERS", 4)
+    target = spoolwrite.Target()
+    assert target.rate() is None and target.workers(small_pieces - 1) == 1
+    ways = []
+    for seconds in ([1.0, 1.0], [0.5, 0.5]):  # one thread, then four: twice as fast
+        for s in seconds:
+            ways.append(target.workers(small_pieces))
+            target.note(small_pieces, s, ways[-1])
+    assert ways == [1, 1, 4, 4] and target.workers(small_pieces) == 4
+    for _ in range(12):  # four threads slow down: the measurements follow
+        target.note(small_pieces, 4.0, 4)
+    assert target.workers(small_pieces) == 1 and target.workers(small_pieces - 1) == 1
+    assert target.rate() == pytest.approx(small_pieces / 4.0, rel=0.2)
+
+
+def test_a_file_system_nothing_was_appended_to_is_measured_on_a_probe(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(spoolwrite, "_targets", {})
+    spool = Spool(str(tmp_path / "s.tmp"))
+    rate = spool.write_rate()
+    assert rate is not None and rate > 0
+    assert spool.size == 0 == os.path.getsize(spool.path)  # the probe was cut off
+    spool.append([b"kept"])
+    probes: list[Any] = []
+    monkeypatch.setattr(Spool, "append", lambda self, parts: probes.append(parts))
+    assert (spool.write_rate() or 0) > 0 and probes == []  # measured: no probe
+    other = Spool(str(tmp_path / "t.tmp"))
+    assert other.write_rate() == spool.write_rate()  # one figure per file system
+    other.discard()
+    spool.discard()
+
+
+def test_a_probe_on_a_full_disk_measures_nothing(small_disk: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(spoolwrite, "_targets", {})
+    spool = Spool(str(small_disk(0) / "s.tmp"))
+    assert spool.write_rate() is None and spool.size == 0
+    spool.discard()
+
+
+def test_a_full_disk_during_a_parallel_append_leaves_the_spool_as_it_was(
+        small_disk: Any, monkeypatch: pytest.MonkeyPatch, small_pieces: int) -> None:
+    forced(monkeypatch, 4)
+    spool = Spool(str(small_disk(64 * 1024) / "s.tmp"))
+    spool.append([b"kept"])
+    with pytest.raises(StorageError, match="disk is full"):
+        spool.append([payload(small_pieces * 4, 1)])  # some pieces fit, the others do not
+    assert spool.size == 4 == os.path.getsize(spool.path)
+    assert spool.append([b"!"]) == 4 and spool.read_at(0, spool.size) == b"kept!"
+    spool.discard()
+
+
+def test_a_temporary_spool_that_fills_up_in_a_parallel_append_moves_to_memory(
+        small_disk: Any, monkeypatch: pytest.MonkeyPatch, small_pieces: int, caplog: pytest.LogCaptureFixture) -> None:
+    """A record hashed beside a parallel append that fails: the open segment goes on in memory
+    with the same bytes, and its index has the record's checksum."""
+    import torch
+
+    from diffckpt.openseg import OpenSegment
+    from diffckpt.segment import decode_segment
+
+    forced(monkeypatch, 4)
+    monkeypatch.setattr(tempfile, "tempdir", str(small_disk(64 * 1024)))
+    grads = torch.randint(0, 2**31 - 1, (1 << 19,), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    record = {"step": 1, "prev": 0, "events": [{"grads": [[grads]]}], "state": {}}
+    segment = OpenSegment(FsspecStorage("memory://spool-parallel-full"), 1, 0, "none", 1)
+    assert segment.spool.temporary and not segment.spool.anonymous
+    segment.add(record)  # 2 MiB: hashed beside its append, which the disk cannot take
+    assert segment.spool.anonymous and "kept in memory" in caplog.text
+    segment.finish(1)
+    _, decoded, problem = decode_segment(segment.spool.read_at(0, segment.spool.size))
+    assert problem is None and torch.equal(decoded[0]["events"][0]["grads"][0][0], grads)
+    segment.discard()
 
 
 # ------------------------------------------------------------------------------- local disk
