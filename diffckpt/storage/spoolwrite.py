@@ -49,6 +49,7 @@ WRITERS = max(1, min(4, os.cpu_count() or 1))
 TRIALS = 2
 """Large appends made each way on a file system before the faster way is kept."""
 
+RATED_MIN = 1 << 20  # appends below it (a lead, an index, a small record) measure per-call cost, not bandwidth
 _DECAY = 0.8  # each new measurement weighs a fifth: the figures follow a target that changes
 
 
@@ -122,7 +123,8 @@ class Target:
     def note(self, size: int, seconds: float, workers: int) -> None:
         """An append of ``size`` bytes took ``seconds`` with ``workers`` threads."""
         with self._lock:
-            self._all.note(size, seconds)
+            if size >= RATED_MIN:
+                self._all.note(size, seconds)
             if size >= PARALLEL_MIN and workers in self._ways:
                 self._ways[workers].note(size, seconds)
 

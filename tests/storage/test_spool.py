@@ -178,6 +178,7 @@ def test_parallel_appends_write_the_bytes_of_serial_ones(
 def test_a_large_append_goes_the_way_its_file_system_measured_faster(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small_pieces: int) -> None:
     monkeypatch.setattr(spoolwrite, "WRITERS", 4)
+    monkeypatch.setattr(spoolwrite, "RATED_MIN", 0)  # the pieces here are small
     target = spoolwrite.Target()
     assert target.rate() is None and target.workers(small_pieces - 1) == 1
     ways = []
@@ -190,6 +191,16 @@ def test_a_large_append_goes_the_way_its_file_system_measured_faster(
         target.note(small_pieces, 4.0, 4)
     assert target.workers(small_pieces) == 1 and target.workers(small_pieces - 1) == 1
     assert target.rate() == pytest.approx(small_pieces / 4.0, rel=0.2)
+
+
+def test_small_appends_do_not_set_a_file_systems_rate() -> None:
+    """A lead, an index or a small record costs its call more than its bytes: counted, a memory
+    file system would look slow, and zstd be chosen where it slows the record's path."""
+    target = spoolwrite.Target()
+    target.note(4096, 0.001, 1)  # 4 MB/s, from a call's cost
+    assert target.rate() is None
+    target.note(spoolwrite.RATED_MIN, 0.001, 1)
+    assert target.rate() == pytest.approx(spoolwrite.RATED_MIN / 0.001)
 
 
 def test_a_file_system_nothing_was_appended_to_is_measured_on_a_probe(
