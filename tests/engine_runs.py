@@ -85,6 +85,27 @@ def train_steps(engine: CheckpointEngine, module: torch.nn.Module, optimizers: l
             engine.write_base(step, module.state_dict(), [o.state_dict() for o in optimizers], {"x": step})
 
 
+def train_in_thread(engine: CheckpointEngine, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
+                    first: int, last: int, truth: dict[int, dict[str, Any]]
+                    ) -> tuple[threading.Thread, threading.Event, list[BaseException]]:
+    """:func:`train_steps` on a thread of its own (storage held by a test may hold it up):
+    the thread, an event set once it ended, and what it raised."""
+    trained = threading.Event()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            train_steps(engine, module, optimizers, first, last, truth)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            trained.set()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, trained, errors
+
+
 def train(dirpath: Any, steps: int = 13, maker: Maker = make, every: int = 1,
           truth: Truth | None = None, **options: Any) -> tuple[Truth, int | None]:
     """Train ``steps`` steps from scratch into ``dirpath``; return ``(truth per step, durable step)``."""

@@ -26,6 +26,7 @@ from engine_runs import (
     restore,
     seg,
     snapshot,
+    train_in_thread,
     train_steps,
 )
 
@@ -71,19 +72,7 @@ def _to_held_base(tmp_path: Path, refuse: bool = False) -> tuple[HeldBase, Check
 
 def _train_while_held(storage: HeldBase, engine: CheckpointEngine, truth: Truth, m: Any, o: Any) -> None:
     """Train ``BASE + 1..AFTER`` on another thread; the base's upload must not hold it up."""
-    trained = threading.Event()
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            train_steps(engine, m, o, BASE + 1, AFTER, truth)
-        except BaseException as exc:
-            errors.append(exc)
-        finally:
-            trained.set()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
+    thread, trained, errors = train_in_thread(engine, m, o, BASE + 1, AFTER, truth)
     ok = storage.held.wait(20) and trained.wait(20)
     if not ok:  # let the run end before failing, so that nothing is left blocked
         storage.go.set()

@@ -24,6 +24,7 @@ from engine_runs import (
     make,
     restore,
     snapshot,
+    train_in_thread,
     train_steps,
 )
 
@@ -79,19 +80,7 @@ def _train_held(tmp_path: Path, durability: str) -> tuple[HeldSegments, Checkpoi
     engine.start(m, o, 0)
     truth = {0: snapshot(m, o, 0)}
     engine.write_base(0, m.state_dict(), [x.state_dict() for x in o], {"x": 0})
-    trained = threading.Event()
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            train_steps(engine, m, o, 1, STEPS, truth)
-        except BaseException as exc:
-            errors.append(exc)
-        finally:
-            trained.set()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
+    thread, trained, errors = train_in_thread(engine, m, o, 1, STEPS, truth)
     # every_step: training is held for good (until the test lets go), so a short wait tells
     went_through = trained.wait(30 if durability == "paced" else 1.5)
     assert not errors, errors
