@@ -117,8 +117,9 @@ def main(argv: list[str]) -> None:
         from lightning_ckpt import DiffCheckpoint, DiffCheckpointIO
 
         callbacks.append(DiffCheckpoint(args.dirpath, write_batch=2, base_every_n_steps=4,
-                                        # retention=None: resumes from any step of the run
-                                        options=CheckpointOptions(fingerprint_every_n_steps=3, retention=None)))
+                                        # retention=None and every step durable: resumes from any step of the run
+                                        options=CheckpointOptions(fingerprint_every_n_steps=3, retention=None,
+                                                                  durability="every_step")))
         plugins.append(DiffCheckpointIO())
         if args.model_checkpoint:
             from lightning.pytorch.callbacks import ModelCheckpoint

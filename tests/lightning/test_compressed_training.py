@@ -114,7 +114,8 @@ def test_powersgd_resume_at_a_base_step_is_exact_to_the_end(ranks, reference, tm
     codec, par = "powersgd:2", DDP if ranks > 1 else []
     ref, _ = reference(codec, ranks)
     full = tmp_path / "full"
-    rc, log = run_script(SCRIPT, ["adamw", str(tmp_path / "full.pt"), "--dirpath", str(full), "--codec", codec, *par])
+    rc, log = run_script(SCRIPT, ["adamw", str(tmp_path / "full.pt"), "--dirpath", str(full), "--codec", codec, *par,
+                                  "--options", '{"durability": "every_step"}'])  # base 10 is asked for: no newer base may supersede it
     assert rc == 0, log[-3000:]
     for rank, state in enumerate(load_ranks(tmp_path / "full.pt", ranks)):  # checkpointing changes nothing
         assert_bitwise_equal(ref[rank], state)

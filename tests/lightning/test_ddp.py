@@ -41,7 +41,9 @@ def test_ddp_kill9_mid_epoch_resume_is_bitwise_identical_on_every_rank(trial, dd
 @pytest.fixture(scope="module")
 def ddp_full_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("ddp_full")
-    rc, log = run_script(SCRIPT, ["adamw", str(d / "out.pt"), "--dirpath", str(d / "run"), *DDP])
+    # every step durable: the tests resume explicit steps of it (paced, a busy machine may skip some)
+    rc, log = run_script(SCRIPT, ["adamw", str(d / "out.pt"), "--dirpath", str(d / "run"), *DDP,
+                                  "--options", '{"durability": "every_step"}'])
     assert rc == 0, log[-3000:]
     return d / "run"
 

@@ -136,7 +136,8 @@ def test_storage_options_alone_kill9_resume_last_and_explicit_step(tmp_path, s3_
                                                                     reference):  # noqa: F811
     """No AWS variables in the subprocess: endpoint and credentials come from storage_options only,
     for writing, for ``ckpt_path="last"`` and for an explicit ``s3://…/step=N``."""
-    options = ["--storage-options", json.dumps(s3_bucket.storage_options)]
+    # every step durable: step 7 is asked for (paced, a busy machine may skip it)
+    options = ["--storage-options", json.dumps(s3_bucket.storage_options), "--options", '{"durability": "every_step"}']
     rc, log = run_script(SCRIPT, ["adamw", str(tmp_path / "killed.pt"), "--dirpath", s3_bucket.url, *options],
                          kill_at_step=17, env=_no_aws_env())
     assert rc == -9, log[-3000:]
