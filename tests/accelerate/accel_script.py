@@ -89,7 +89,8 @@ def main() -> None:
         from accelerate_ckpt import DiffCheckpointer
         knobs: dict = {"every_n_steps": args.every, "write_batch": args.write_batch,
                        "base_every_n_steps": args.base_every}
-        options: dict = {"retention": None}  # resumes from any step of the run, unless --compact
+        # resumes from any step of the run (every step kept and durable), unless --compact
+        options: dict = {"retention": None, "durability": "every_step"}
         if args.auto:  # reviewed often, with a short MTBF so that the choice is not trivial
             from diffckpt import TuningOptions
             knobs = dict.fromkeys(knobs, "auto")

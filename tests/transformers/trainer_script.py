@@ -90,7 +90,7 @@ def main() -> None:
             return v if v == "auto" else None if v == "none" else int(v)
         cb = DiffCheckpointCallback(a.dirpath, every_n_steps=knob(a.every), write_batch=knob(a.batch),
                                     base_every_n_steps=knob(a.base_every),
-                                    options=CheckpointOptions(retention=None))  # resumes from any step
+                                    options=CheckpointOptions(retention=None, durability="every_step"))  # any step
         callbacks.append(cb)
     if a.sleep:
         class Slow(TrainerCallback):
