@@ -5,10 +5,10 @@ record, in chunks from a few helper threads at once where that measured faster o
 system. Measured, not assumed: Linux holds a file's inode lock (``i_rwsem``) through the whole of a
 buffered write (ext4, tmpfs and xfs alike), so threads writing one file mostly take turns, and
 each handoff costs. On 16 cores, 2 to 8 threads wrote 64 to 256 MiB into tmpfs and ext4 at -20%
-to +18% of one thread's rate; on a 2-core VM whose disk throttles writers past its dirty-page
-limit, 2 threads were sometimes twice as fast (docs/benchmarks.md, "The writer pipeline"). So
+to +18% of one thread's rate; on a 2-core VM, 2 threads wrote to its ext4 disk at 0.75 to 2.2
+times one thread's rate from one minute to the next (docs/benchmarks.md, "The writer pipeline"). So
 each file system is tried both ways for :data:`TRIALS` large appends, then the faster way is
-kept, and keeps being measured.
+taken, and the slower one again every :data:`RETRIAL` large appends, so both figures stay current.
 
 :class:`Target` holds those figures per file system (``st_dev``), for the whole process: the
 segment encoder reads :meth:`Target.rate` to decide whether zstd shortens a write
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # protocol.py imports spool.py, which imports this module
     from .protocol import Buffer
 
-__all__ = ["CHUNK", "PARALLEL_MIN", "TRIALS", "WRITERS", "Target", "helpers", "target_of", "views_of", "write_at"]
+__all__ = ["CHUNK", "PARALLEL_MIN", "RETRIAL", "TRIALS", "WRITERS", "Target", "helpers", "target_of", "views_of", "write_at"]
 
 PARALLEL_MIN = 64 << 20
 """Appends at least this large may go out from several threads; smaller ones always go from the
@@ -49,7 +49,13 @@ WRITERS = max(1, min(4, os.cpu_count() or 1))
 TRIALS = 2
 """Large appends made each way on a file system before the faster way is kept."""
 
-RATED_MIN = 1 << 20  # appends below it (a lead, an index, a small record) measure per-call cost, not bandwidth
+RATED_MIN = 1 << 20
+"""Appends smaller than this (a lead, an index, a small record) measure a call's cost, not a
+file system's bandwidth, and do not count in its rate."""
+
+RETRIAL = 8
+"""Of the large appends after the trials, every this many goes the slower way, to measure it again."""
+
 _DECAY = 0.8  # each new measurement weighs a fifth: the figures follow a target that changes
 
 
@@ -103,6 +109,7 @@ class Target:
         self._lock = threading.Lock()
         self._all = _Rate()
         self._ways = {1: _Rate(), WRITERS: _Rate()}
+        self._large = 0  # large appends since both ways were tried
 
     def rate(self) -> float | None:
         """Bytes per second appends took here (``None`` before the first)."""
@@ -111,14 +118,18 @@ class Target:
 
     def workers(self, size: int) -> int:
         """Threads for an append of ``size`` bytes: one below :data:`PARALLEL_MIN`; above it,
-        each way in turn until both were measured :data:`TRIALS` times, then the faster."""
+        each way in turn until both were measured :data:`TRIALS` times, then the faster, but
+        every :data:`RETRIAL`-th time the other: a disk's rate swings (2x between minutes on the
+        VM measured), and a way measured once in a slow minute would never be taken again."""
         if size < PARALLEL_MIN or WRITERS == 1:
             return 1
         with self._lock:
             for way, rate in self._ways.items():
                 if rate.count < TRIALS:
                     return way
-            return max(self._ways, key=lambda way: self._ways[way].value() or 0.0)
+            self._large += 1
+            slow, fast = sorted(self._ways, key=lambda way: self._ways[way].value() or 0.0)
+            return slow if self._large % RETRIAL == 0 else fast
 
     def note(self, size: int, seconds: float, workers: int) -> None:
         """An append of ``size`` bytes took ``seconds`` with ``workers`` threads."""

@@ -186,7 +186,8 @@ def test_a_large_append_goes_the_way_its_file_system_measured_faster(
         for s in seconds:
             ways.append(target.workers(small_pieces))
             target.note(small_pieces, s, ways[-1])
-    assert ways == [1, 1, 4, 4] and target.workers(small_pieces) == 4
+    later = [target.workers(small_pieces) for _ in range(2 * spoolwrite.RETRIAL)]
+    assert later.count(1) == 2 and later[spoolwrite.RETRIAL - 1] == 1  # the slower way, measured again
     for _ in range(12):  # four threads slow down: the measurements follow
         target.note(small_pieces, 4.0, 4)
     assert target.workers(small_pieces) == 1 and target.workers(small_pieces - 1) == 1
