@@ -114,10 +114,11 @@ def test_chosen_kill_local_paced_keeps_every_step_behind_a_held_write(tmp_path: 
     # for it. The run root falls behind, so each base supersedes the segments waiting before it
     # (parked in the local tier) and bases 10 and 20 wait behind the held write too; training
     # runs to its end and the final flush waits there. The journals hold every step after 4 (the
-    # parked segments, the waiting ones, the open one), and a resume restores step 40.
+    # parked segments, the waiting ones, the open one), and a resume restores step 40, or 39 when
+    # the kill, which follows "STEP 40" at once, came before record 40 was journaled.
     kill = ("pause-before", r"diffs/000000000004-", "STEP 40")
     outcome = run_trial(_trial("local", kill, tmp_path, None, None, None), truth)
-    assert outcome.last_step == 40 and outcome.last_durable <= 4 and outcome.restored == 40, outcome
+    assert outcome.last_step == 40 and (outcome.last_durable or 0) <= 4 and outcome.restored >= 39, outcome
 
 
 def test_chosen_kill_local_base_state_without_commit(tmp_path: Path, truth: str) -> None:
