@@ -45,6 +45,7 @@ def test_configurations_are_checkpoint_options_keywords() -> None:
     assert "refuses" in (fast_steps.options_problem({"write_batch": 0}) or "")
 
 
+@pytest.mark.slow  # subprocesses that import torch and transformers: a minute or more on 2 cores
 def test_timed_runs_report_each_configuration_against_none(work: Path) -> None:
     done, data = bench(work, "--steps", "3", "--warmup", "1", "--device-ms", "5", "--config", "none",
                        "--config", "defaults", "--config", "later:no_such_option=1")
@@ -62,6 +63,7 @@ def test_timed_runs_report_each_configuration_against_none(work: Path) -> None:
     assert "| 5 | defaults |" in done.stdout and "later skipped" in done.stdout
 
 
+@pytest.mark.slow  # subprocesses that import torch and transformers: a minute or more on 2 cores
 def test_kill_and_resume_is_bitwise_with_and_without_the_local_tier(work: Path) -> None:
     _, data = bench(work, "--kill", "--grads", str(work / "grads.pt"), "--kill-steps", "10", "--kill-at", "6",
                     "--device-ms", "50", "--config", "defaults")
