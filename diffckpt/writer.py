@@ -66,8 +66,9 @@ class WriterStats:
 
     @property
     def durable_bps(self) -> float | None:
-        """The run root's measured write rate, from the bases written (``None``: none yet)."""
-        return self.base_bytes / self.write_seconds if self.bases and self.write_seconds > 0 else None
+        """The run root's measured write rate: bytes written over the time their writes took."""
+        written = self.base_bytes + self.segment_bytes
+        return written / self.write_seconds if written and self.write_seconds > 0 else None
 
 
 class BackgroundWriter:
