@@ -61,6 +61,7 @@ import dataclasses
 import json
 import os
 import platform
+import re
 import resource
 import shutil
 import subprocess
@@ -276,6 +277,22 @@ def rss_peak() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds each live Python thread has used (``/proc``; empty elsewhere), by name with
+    the session and worker numbers dropped (``diffckpt-commit-g1`` and ``-g2`` are one row)."""
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for t in threading.enumerate():
+        try:
+            with open(f"/proc/self/task/{t.native_id}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, TypeError):
+            continue
+        name = re.sub(r"(-g\d+|_\d+)$", "", t.name)
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return out
+
+
 def tiers(engine: Any) -> tuple[int | None, int | None]:
     """``(durable step, node-local step)`` of the running session, from the metrics loggers get."""
     m = engine.metrics()
@@ -314,10 +331,10 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     print(f"START {start}", flush=True)
     last, warmup, pause = spec["last"], spec["warmup"], spec["device_ms"] / 1000
     committed: dict[int, float] = {0: time.perf_counter()}
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), thread_cpu()
     for n in range(start + 1, last + 1):
         if n == warmup + 1:
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), thread_cpu()
         opt.zero_grad(set_to_none=True)
         for p, g in zip(params, grads[n % len(grads)]):
             p.grad = g.clone()
@@ -329,8 +346,11 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
             durable, local = tiers(engine) if engine is not None else (None, None)
             print(f"STEP {n} durable {durable} local {local}", flush=True)
         time.sleep(pause)
-    t_loop = time.perf_counter()
+    t_loop, cpu1 = time.perf_counter(), thread_cpu()
     out: dict[str, Any] = {"start": start, "last": last, "imported_diffckpt": "diffckpt" in sys.modules}
+    # CPU each thread spent a timed step (threads that ended inside the loop are not counted)
+    out["cpu_ms_per_step"] = {k: round(1000 * (v - cpu0.get(k, 0.0)) / max(1, last - max(warmup, start)), 1)
+                              for k, v in cpu1.items() if v - cpu0.get(k, 0.0) > 0}
     if engine is not None:
         durable, local = tiers(engine)
         out.update(durable_at_loop_end=durable, local_at_loop_end=local,
@@ -421,7 +441,9 @@ def timed(args: argparse.Namespace, configs: list[tuple[str, dict[str, Any] | No
                     print(f"round {rnd + 1} {device_ms:5.0f} ms {name:18s} {r['s_per_step']:7.3f} s/step "
                           f"(+flush {r['s_per_step_with_flush']:7.3f})  {r['bytes_per_step'] / 1e6:7.1f} MB/step  "
                           f"RSS {r['rss_peak'] / 1e6:6.0f} MB  durable {r.get('durable_at_loop_end')} "
-                          f"local {r.get('local_at_loop_end')} of {r['last']}", flush=True)
+                          f"local {r.get('local_at_loop_end')} of {r['last']}\n    CPU ms a step by thread: "
+                          + ", ".join(f"{k} {v:g}" for k, v in sorted(r.get("cpu_ms_per_step", {}).items())),
+                          flush=True)
     for r in runs:
         base = next((b for b in runs if b["config"] == NONE and b["round"] == r["round"]
                      and b["device_ms"] == r["device_ms"] and "error" not in b), None)

@@ -173,10 +173,11 @@ class StepCapture(Pausable):
                 raise GradientMutatedError(lease.failure)
         return [lease for lease in taken if not lease.ended]
 
-    def end_leases(self) -> None:
-        """End every lease now, copying what training still holds (before training waits for the
-        writer, which may be waiting for a lease)."""
-        self.leases.settle(before_change=False, resolve=True)
+    def end_leases(self, spare: list[Lease]) -> None:
+        """End every lease but ``spare`` now, copying what training still holds (before training
+        waits for the writer, which may be waiting for a lease of a record handed over before;
+        ``spare``: the leases of the record being handed over)."""
+        self.leases.settle(before_change=False, resolve=True, spare=spare)
 
     def remove(self) -> None:
         self.leases.remove()

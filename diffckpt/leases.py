@@ -14,8 +14,12 @@ So a gradient is taken in one of two ways:
 * **leased**: the record holds the tensor itself. The lease ends when training lets go of it
   (``param.grad`` is no longer that tensor, nothing else holds it, and its version counter has not
   moved), or when training is about to change it in place, in which case it is copied first.
-  The writer reads a record's gradients only once all its leases have ended
-  (:meth:`Lease.wait`).
+  The writer does not wait for that: it reads a record's gradients as soon as it takes the record
+  (:func:`reading`), which a copy or a change in place by training waits for, and journals the
+  record once every lease ended cleanly (:meth:`Lease.wait`). A loop lets go of a step's
+  gradients only when the next step begins, after the device's time: waiting for that would
+  leave the writer the host's few milliseconds of a step to write a record in, and training
+  would wait for it at the next commit.
 * **copied** (foreach copies): always for gradients that alias memory training reuses (views,
   such as DDP's ``gradient_as_bucket_view`` buckets, and storage shared with anything else), for
   sharded (``DTensor``) gradients, and for every gradient of an optimizer until this run has
@@ -30,15 +34,16 @@ training never waits on a lease.
 What cannot be watched: code that changes a gradient through ``.data`` or numpy, or through a
 view of it kept past the step, after the lease ended. A change made while the lease runs moves
 the version counter and is caught when the lease ends (:class:`GradientMutatedError`: the record
-is not written). Training that does such things sets ``CheckpointOptions(copy_gradients=True)``.
+is not journaled, nor written). Training that does such things sets ``CheckpointOptions(copy_gradients=True)``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -46,7 +51,7 @@ import torch
 from .errors import DiffCkptError, GradientMutatedError
 from .staging import HostStage
 
-__all__ = ["TRUST_AFTER", "GradientLeases", "Lease", "copy_tensors", "exclusive"]
+__all__ = ["TRUST_AFTER", "GradientLeases", "Lease", "copy_tensors", "exclusive", "reading"]
 
 TRUST_AFTER = 2
 """Steps in a row in which every gradient of an optimizer was let go cleanly before gradients
@@ -75,12 +80,13 @@ class Lease:
     """The gradients one optimizer step left to a record without a copy; ended once training let
     go of each (or they were copied)."""
 
-    __slots__ = ("_done", "_open", "failure", "ready")
+    __slots__ = ("_done", "_open", "_read", "failure", "ready")
 
     def __init__(self) -> None:
         self._open = 0
         self._done = threading.Event()
         self._done.set()
+        self._read = threading.Lock()  # held by the writer while it reads the gradients
         self.failure: str | None = None  # why the record must not be written
         self.ready: list[Any] = []  # events after copies made on a GPU when the lease ended
 
@@ -107,6 +113,19 @@ class Lease:
                 raise DiffCkptError("the writer was stopped while a step's gradients were still in use by training")
         if self.failure is not None:
             raise GradientMutatedError(self.failure)
+
+
+@contextlib.contextmanager
+def reading(leases: list[Lease]) -> Iterator[None]:
+    """Hold ``leases`` for a read of their gradients by the writer, which need not wait for
+    training to let go first: training changes no leased gradient in place, nor swaps a copy in
+    for it, while this is held (it waits for the read to end instead, which only training that
+    is not trusted with leases does). Whether the read holds what the step consumed is known when
+    the leases end (:meth:`Lease.wait`). Taken in one order on both sides, so two never deadlock."""
+    with contextlib.ExitStack() as held:
+        for lease in sorted(leases, key=id):
+            held.enter_context(lease._read)
+        yield
 
 
 # One watched gradient: the parameter, the tensor the step consumed, its version counter then,
@@ -181,29 +200,35 @@ class GradientLeases:
         return grads, lease
 
     # ------------------------------------------------------------- settling
-    def settle(self, before_change: bool, resolve: bool = False) -> None:
+    def settle(self, before_change: bool, resolve: bool = False, spare: list[Lease] | None = None) -> None:
         """Look at every watched gradient.
 
         One that training let go of ends its lease (or counts as let go cleanly). One still held
         by training: with ``before_change`` (training is about to change it in place) its lease
         ends with a copy, and its optimizer is not trusted; with ``resolve`` (training is about
-        to wait for the writer) its lease ends with a copy; otherwise it stays watched.
+        to wait for the writer) its lease ends with a copy, unless the lease is one of ``spare``
+        (a record not handed to the writer yet); otherwise it stays watched.
         """
         if not self._watched:
             return
         with self._lock:
-            self._settle(before_change, resolve)
+            self._settle(before_change, resolve, {id(lease) for lease in spare or ()})
 
-    def _settle(self, before_change: bool, resolve: bool) -> None:
+    def _settle(self, before_change: bool, resolve: bool, spared: set[int]) -> None:
         keep: list[_Watched] = []
         copies: list[tuple[_Watched, torch.Tensor]] = []
         for entry in self._watched:
             p, g, version, row, _, lease, index = entry
             if p.grad is not g:
+                if lease is not None and not lease._read.acquire(blocking=resolve):
+                    keep.append(entry)  # the writer reads it now, holding references: judged later
+                    continue
                 # Let go: nothing holds the tensor but this entry (and the record, if leased),
                 # the loop variables and getrefcount's argument, and it is unchanged.
                 refs = sys.getrefcount(g) - (4 if row is not None else 3)
                 changed = g._version != version
+                if lease is not None:
+                    lease._read.release()
                 clean = refs == 0 and not changed
                 if not clean:
                     self._step_clean[index] = False
@@ -221,21 +246,31 @@ class GradientLeases:
                 continue
             if before_change:
                 self._step_clean[index] = False
-            if (before_change or resolve) and row is not None:
+            if (before_change or (resolve and id(lease) not in spared)) and row is not None:
+                assert lease is not None
+                if g._version != version:  # changed since the step: neither it nor a copy will do
+                    self._step_clean[index] = False
+                    lease._end(f"a gradient of shape {tuple(g.shape)} was changed in place after "
+                               "optimizer.step() while training still held it; if training changes "
+                               "gradients after the step, set CheckpointOptions(copy_gradients=True)")
+                    continue
                 copies.append((entry, g))
             elif before_change:
                 continue  # only watched: training keeps its gradients, so it is not trusted
             else:
                 keep.append(entry)
-        made = copy_tensors([g for _, g in copies])
-        ready = HostStage.mark(made)  # the writer's device-to-host copies wait for these
-        for (entry, _), copy in zip(copies, made):
-            _, _, _, row, i, lease, _ = entry
-            assert row is not None and lease is not None
-            row[i] = copy
-            if ready is not None:
-                lease.ready.append(ready)
-            lease._end()
+        # Not while the writer reads these gradients: the copy would take the read's place, and
+        # training may change the original once the lease ended.
+        with reading([x for x in {id(e[5]): e[5] for e, _ in copies}.values() if x is not None]):
+            made = copy_tensors([g for _, g in copies])
+            ready = HostStage.mark(made)  # the writer's device-to-host copies wait for these
+            for (entry, _), copy in zip(copies, made):
+                _, _, _, row, i, lease, _ = entry
+                assert row is not None and lease is not None
+                row[i] = copy
+                if ready is not None:
+                    lease.ready.append(ready)
+                lease._end()
         self._watched = keep
         if not keep:
             self._close_step()

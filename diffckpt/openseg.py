@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +22,7 @@ from .checksums import Buffer
 from .errors import StorageError
 from .format import SegmentName
 from .journal import JournalPlace, JournalWriter, make_folder
+from .leases import Lease
 from .segment import SegmentEncoder
 from .storage import Storage
 from .storage.spool import Spool, open_spool, temporary_spool
@@ -125,9 +127,10 @@ class OpenSegment:
         ``compression="zstd"`` asks for smaller uploads whatever it costs there."""
         return self.spool.write_rate()
 
-    def add(self, record: dict[str, Any]) -> None:
+    def add(self, record: dict[str, Any], journal: bool = True) -> None:
         """Encode ``record`` and append its bytes; nothing of it is kept in memory. A large record
-        is hashed on a helper thread while its bytes are written (both release the GIL)."""
+        is hashed on a helper thread while its bytes are written (both release the GIL).
+        ``journal=False``: not journaled yet (:meth:`journal_last` next)."""
         start = time.monotonic()
         blob = self.encoder.encode(record)
         self.encode_s += time.monotonic() - start
@@ -139,6 +142,23 @@ class OpenSegment:
         self.encoder.added(blob, digest or self.encoder.checksum(blob))
         self.steps.append((record["step"], record.get("state") is not None))
         self.ends.append(self.spool.size)
+        if journal:
+            self._journal(-1)
+
+    def journal_last(self, leases: list[Lease], stop: threading.Event) -> None:
+        """Journal the record added last with ``journal=False`` once every one of ``leases`` (on
+        the gradients it was read from) ended cleanly; if one did not, the gradients changed while
+        it was read: take it back and raise :class:`GradientMutatedError`."""
+        try:
+            for lease in leases:
+                lease.wait(stop)
+        except BaseException:
+            entry = self.encoder.entries.pop()
+            self.encoder.raw_bytes -= entry["raw_length"]
+            self.encoder.stored_bytes -= entry["length"]
+            del self.steps[-1], self.ends[-1]
+            self.spool.truncate(self.ends[-1] if self.ends else len(self.encoder.lead or b""))
+            raise
         self._journal(-1)
 
     def _append(self, parts: list[Buffer]) -> None:

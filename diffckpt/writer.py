@@ -31,7 +31,7 @@ from .format import BaseName
 from .handoff import HandOff
 from .journal import place_for, remove_folder, resolve_local_dir, tier_budget
 from .journalfile import sweep_dead_once
-from .leases import Lease
+from .leases import Lease, reading
 from .lossbound import LossBound
 from .openseg import OpenSegment
 from .options import CheckpointOptions
@@ -88,9 +88,9 @@ class BackgroundWriter:
         self._after = after  # step the next segment continues from
         self._open: OpenSegment | None = None  # records written to a spool, not committed yet
         self.stage = HostStage()
-        # Called on the training side before it waits for this thread (a full queue, a flush):
-        # it ends the leases this thread may be waiting for (StepCapture.end_leases).
-        self.before_wait: Callable[[], None] | None = None
+        # Called on the training side before it waits for this thread (a full queue, a flush) to
+        # end the leases this thread may wait for (StepCapture.end_leases), sparing the new item's.
+        self.before_wait: Callable[[list[Lease]], None] | None = None
         self._abandon = threading.Event()
         storage = store.storage
         self.storage = storage.with_cancel(self._abandon) if isinstance(storage, RetryingStorage) else storage
@@ -146,16 +146,14 @@ class BackgroundWriter:
     # ------------------------------------------------------------ training side
     def put_record(self, record: dict[str, Any], nbytes: int, leases: list[Lease] | None = None,
                    ready: Any = None) -> None:
-        """Queue one step record: its tensors copied, or leased from training (``leases``: the
-        writer reads those gradients only once the leases ended). ``ready``: the event after the
-        record's device work (:meth:`HostStage.mark`), for a record with GPU tensors."""
+        """Queue one step record: its tensors copied, or leased from training (``leases``, journaled
+        once they ended cleanly); ``ready``: the event after its device work (HostStage.mark)."""
         self._put("record", (record, leases or [], ready), nbytes)
         self.last_step = record["step"]
 
     def put_base(self, step: int, tree: dict[str, Any], params: list[torch.Tensor], nbytes: int,
                  ready: Any = None) -> None:
-        """Queue a full base; ``params`` are the copied parameters to fingerprint (``ready`` as
-        for :meth:`put_record`)."""
+        """Queue a full base; ``params``: its copied parameters to fingerprint (``ready``: as above)."""
         self._put("base", (step, tree, params, ready), nbytes)
 
     def retarget(self, write_batch: int) -> None:
@@ -186,7 +184,7 @@ class BackgroundWriter:
             StorageUnavailableError: storage is in an outage and ``on_storage_error="raise"``.
         """
         if self.before_wait is not None:
-            self.before_wait()
+            self.before_wait([])
         done = threading.Event()
         self._put("flush", done, 0)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -296,7 +294,7 @@ class BackgroundWriter:
             raise DiffCkptError("the checkpoint writer is closed; create a new one to write more")
         behind = kind == "record" and self.journal is not None  # waits for the record before it
         if self.before_wait is not None and self._handoff.must_wait(nbytes, behind):
-            self.before_wait()  # about to wait: the writer may be waiting for a lease
+            self.before_wait(item[1] if kind == "record" else [])
         self._handoff.put(kind, item, nbytes, behind)
         self._raise_if_failed()
 
@@ -336,28 +334,39 @@ class BackgroundWriter:
             self.write_batch, self._cut_next = item, True
 
     def _add_record(self, record: dict[str, Any], leases: list[Lease], ready: Any) -> None:
-        events = [ready] if ready is not None else []
-        for lease in leases:  # gradients training has not let go of yet
-            lease.wait(self._abandon)
-            events += lease.ready
-        record, staged = self.stage.to_host(record, events, narrow_gradients(record) if self.narrow_grads else ())
-        self._last_buffers = prepare_record(record, self._last_buffers, bool(staged))
+        step, restorable = record["step"], record.get("state") is not None
         try:
             if self._open is None:
                 self._open = OpenSegment(self.storage, self.gen, self._after, self.options.compression,
                                          self.options.compression_level, journal=self.journal, lost=self._tier_lost)
-            self._open.add(record)  # a full disk: a StorageError naming the spool's folder
+            # Read at once, though training may still hold the gradients, and journaled once it let
+            # go of them unchanged (leases.py): a loop lets go only when its next step begins.
+            with reading(leases):
+                self._encode(record, ([ready] if ready is not None else []) + [e for x in leases for e in x.ready])
+                for event in record["events"]:  # written: no reference of this thread's to count
+                    event.pop("grads", None)
+            self._open.journal_last(leases, self._abandon)
             if self.meter is not None:  # what a state adds
-                self.meter.add_encoded(self._open.encoder.entries[-1]["raw_length"], record.get("state") is not None)
-            self.journaled_step = record["step"] if self.journal is not None else None
-            if self.journaled_step is not None and record.get("state") is not None:
+                self.meter.add_encoded(self._open.encoder.entries[-1]["raw_length"], restorable)
+            self.journaled_step = step if self.journal is not None else None
+            if self.journaled_step is not None and restorable:
                 self.journaled_restorable = self.journaled_step
         finally:
-            self.stage.release(staged)
             self._handoff.journaled()
-        if record.get("state") is not None and (self._cut_next or len(self._open) >= self.write_batch):
+        if restorable and (self._cut_next or len(self._open) >= self.write_batch):
             self._cut_next = False
             self._write_segment(wait=False)
+
+    def _encode(self, record: dict[str, Any], events: list[Any]) -> None:
+        """Narrow, stage and add ``record`` to the open segment, not journaled yet."""
+        assert self._open is not None
+        narrow = narrow_gradients(record) if self.narrow_grads else ()
+        record, staged = self.stage.to_host(record, events, narrow)
+        self._last_buffers = prepare_record(record, self._last_buffers, bool(staged))
+        try:
+            self._open.add(record, journal=False)  # a full disk: a StorageError naming the folder
+        finally:
+            self.stage.release(staged)
 
     def _write_segment(self, wait: bool = True) -> None:
         """Commit the open segment's records up to the newest restorable one; the rest stay open.
@@ -380,19 +389,14 @@ class BackgroundWriter:
         if wait:
             self._committer.settle()
 
-    def _drop_superseded(self, step: int) -> None:
-        """Drop the open records up to a base's step: none is restorable (the segment written just
-        before ended at the newest restorable one) and the base carries the state after them."""
-        if self._open is not None:
-            self._open = self._open.drop_through(step)
-
     def _queue_base(self, step: int, tree: dict[str, Any], params: list[torch.Tensor], ready: Any) -> None:
         """Cut the open segment and hand it and the base, in order, to the commit thread, which
         copies the base to the host when its turn comes (:class:`PendingBase`): training waits
         neither for that copy nor for the upload, only for the records after the base to be
         journaled, which continue from its step."""
         self._write_segment(wait=False)
-        self._drop_superseded(step)
+        if self._open is not None:  # records to the base's step: none restorable, the base has them
+            self._open = self._open.drop_through(step)
         base = PendingBase(BaseName(step, self.gen), (tree, params), [ready] if ready is not None else [],
                            self._committer.stage)
         self._committer.start(base, base.name, 0, 0)

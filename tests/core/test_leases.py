@@ -179,6 +179,35 @@ def test_a_full_queue_ends_the_leases_the_writer_waits_for(tmp_path: Path) -> No
     assert_bitwise_equal(done["truth"][STEPS], restored(tmp_path, STEPS, "cpu"))
 
 
+def test_a_wait_copies_the_leases_handed_over_and_spares_the_record_being_handed_over() -> None:
+    """Before training waits for the writer, the writer may be waiting for a lease of a record
+    handed over before: that one ends with a copy. The record being handed over is not in the
+    writer's queue yet, so its gradients stay leased (a copy would cost the training thread a
+    pass over them every step the writer is behind)."""
+    model, opt = make("cpu")
+    leases = GradientLeases([opt])
+    taken = []
+    for step in range(TRUST_AFTER + 2):
+        opt.zero_grad()  # set_to_none: lets go of the previous step's gradients
+        model(batch(step, "cpu")).pow(2).mean().backward()
+        opt.step()
+        grads, lease = leases.take(0, opt, lambda g: g)
+        taken.append((grads, lease))
+    (old_grads, old), (new_grads, new) = taken[-2], taken[-1]
+    assert old is not None and new is not None
+    assert not new.ended
+    attached = [p.grad for p in model.parameters()]
+    assert all(any(g is a for a in attached) for g in new_grads[0])  # leased: the tensors themselves
+    leases.settle(before_change=False, resolve=True, spare=[new])
+    assert old.ended and not new.ended
+    assert all(any(g is a for a in attached) for g in new_grads[0])  # spared: still not copied
+    leases.settle(before_change=False, resolve=True)  # a flush: nothing is spared
+    assert new.ended
+    assert not any(g is a for g in new_grads[0] for a in attached)  # copied, equal
+    assert all(torch.equal(g, a) for g, a in zip(new_grads[0], attached))
+    leases.remove()
+
+
 def test_views_and_shared_storage_are_never_taken() -> None:
     flat = torch.zeros(10)
     assert exclusive(torch.zeros(3, 2))
