@@ -5,6 +5,7 @@ the true state, on the CPU and (when present) on a CUDA device."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -193,7 +194,7 @@ def test_a_wait_copies_the_leases_handed_over_and_spares_the_record_being_handed
         opt.step()
         grads, lease = leases.take(0, opt, lambda g: g)
         taken.append((grads, lease))
-    (old_grads, old), (new_grads, new) = taken[-2], taken[-1]
+    (_, old), (new_grads, new) = taken[-2], taken[-1]
     assert old is not None and new is not None
     assert not new.ended
     attached = [p.grad for p in model.parameters()]
@@ -206,6 +207,29 @@ def test_a_wait_copies_the_leases_handed_over_and_spares_the_record_being_handed
     assert not any(g is a for g in new_grads[0] for a in attached)  # copied, equal
     assert all(torch.equal(g, a) for g, a in zip(new_grads[0], attached))
     leases.remove()
+
+
+def test_the_writer_reads_a_leased_record_at_once_and_journals_it_once_training_let_go(tmp_path: Path) -> None:
+    """A loop lets go of a step's gradients when its next step begins, after the device's time.
+    The writer does not wait for that to read them (it would have the host's few milliseconds of
+    the next step to write the record in, and training would wait for it at the next commit);
+    it journals the record only once training let go of them unchanged."""
+    loop = Loop("lightning", "cpu")  # zero_grad comes before the next backward: .grad stays attached
+    engine = CheckpointEngine(str(tmp_path), CheckpointOptions(write_batch=100, base_every_n_steps=None))
+    last = TRUST_AFTER + 3
+    truth = loop.run(engine, steps=last)
+    writer = engine.recorder.writer
+    deadline = time.monotonic() + 60
+    while not (writer._open is not None and writer._open.steps and writer._open.steps[-1][0] == last):
+        assert time.monotonic() < deadline, "the writer did not read the leased record"
+        time.sleep(0.01)
+    assert writer.journal is not None and writer.journaled_step == last - 1  # read, not journaled
+    loop.opt.zero_grad()  # the next step begins: training lets go, unchanged
+    while writer.journaled_step != last:
+        assert time.monotonic() < deadline, "the record was not journaled once training let go"
+        time.sleep(0.01)
+    assert engine.close() == last
+    assert_bitwise_equal(truth[last], restored(tmp_path, last, "cpu"))
 
 
 def test_views_and_shared_storage_are_never_taken() -> None:
