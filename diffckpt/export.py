@@ -34,7 +34,7 @@ _BY_EXTENSION = {".ckpt": "lightning", ".safetensors": "safetensors"}
 
 @renamed_kwargs(url="dirpath")
 def export_checkpoint(dirpath: str | os.PathLike[str] | Storage, output: str | os.PathLike[str],
-                      step: int | None = None, *, format: str | None = None, device: str = "cpu",
+                      step: int | None = None, *, format: str | None = None, device: str | None = None,
                       storage_options: dict[str, Any] | None = None, verify: bool = True,
                       allow_modules: tuple[str, ...] = ("torch.",)) -> dict[str, Any]:
     """Rebuild ``step`` (newest durable if ``None``) of the run at ``dirpath`` and write it to ``output``.

@@ -14,7 +14,7 @@ __all__ = ["load_state"]
 
 
 @renamed_kwargs(url="dirpath")
-def load_state(dirpath: str | os.PathLike[str] | Storage, step: int | None = None, *, device: str = "cpu",
+def load_state(dirpath: str | os.PathLike[str] | Storage, step: int | None = None, *, device: str | None = None,
                storage_options: dict[str, Any] | None = None, verify: bool = True,
                allow_modules: tuple[str, ...] = ("torch.",)) -> dict[str, Any]:
     """Return the state at ``step`` (newest durable if ``None``) of the run at ``dirpath`` (path,
@@ -25,6 +25,10 @@ def load_state(dirpath: str | os.PathLike[str] | Storage, step: int | None = Non
 
     A run trained sharded (FSDP2) is rebuilt from every rank's stream and returned as full
     tensors, at the newest step durable on every rank (``docs/sharded.md``).
+
+    ``device``: where replay runs; ``None`` (the default), the device type training ran on, the
+    only one on which replay is bit-exact (:class:`UnsupportedConfigurationError`, naming
+    ``device="cpu"``, where there is none here).
 
     Returns:
         ``{"step", "model": {name: tensor}, "optimizers": [optimizer state_dict, ...],

@@ -15,6 +15,7 @@ from .errors import UnsupportedConfigurationError
 from .inventory import RestorePlan
 from .replay import ReplayResult, ReplayTarget, replay
 from .runstore import RunStore
+from .sessionfile import recorded_device
 
 __all__ = ["replay_plan"]
 
@@ -31,7 +32,7 @@ def _optimizer_class(qualname: str, allow_modules: tuple[str, ...]) -> type[torc
     return cls
 
 
-def replay_plan(store: RunStore, plan: RestorePlan, *, device: str = "cpu", verify: bool = True,
+def replay_plan(store: RunStore, plan: RestorePlan, *, device: str | None = "cpu", verify: bool = True,
                 allow_modules: tuple[str, ...] = ("torch.",),
                 loaded: tuple[dict[str, Any], Any] | None = None) -> dict[str, Any]:
     """Replay ``plan`` (any committed base, not only the one :func:`diffckpt.load_state` would
@@ -39,12 +40,14 @@ def replay_plan(store: RunStore, plan: RestorePlan, *, device: str = "cpu", veri
 
     ``diffckpt verify --deep`` replays each base up to the next one to compare them.
     ``loaded`` is the base's ``(commit info, state tree)`` if the caller already read it.
+    ``device=None``: the device type the base's session trained on (:func:`recorded_device`).
 
     Returns:
         what :func:`diffckpt.load_state` returns.
     """
     info, base = loaded if loaded is not None else store.load_base(plan.base)
     meta = store.session_meta(plan.base.gen)
+    device = recorded_device(meta) if device is None else device
     model = {k: v.to(device).clone() for k, v in base["model"].items()}
     names = [name for name, _ in meta["parameters"]]
     aliases = meta.get("aliases") or {}

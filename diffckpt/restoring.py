@@ -25,7 +25,7 @@ __all__ = ["load_located", "restore_live"]
 log = logging.getLogger("diffckpt")
 
 
-def load_located(loc: Located, *, device: str = "cpu", verify: bool = True,
+def load_located(loc: Located, *, device: str | None = "cpu", verify: bool = True,
                  allow_modules: tuple[str, ...] = ("torch.",)) -> dict[str, Any]:
     """The located step as plain tensors: what :func:`diffckpt.load_state` returns (a sharded
     session's pieces reassembled into full tensors)."""

@@ -19,6 +19,7 @@ import torch
 
 from .codecs.compressor import GradientCompressor
 from .compat import qualname
+from .errors import UnsupportedConfigurationError
 from .options import CheckpointOptions
 from .shardedrun import ShardedRun
 from .sharding import local
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
     from .coordination import Coordination
     from .recorder import Recorder
 
-__all__ = ["open_sharded_session", "session_body", "training_device", "training_meta"]
+__all__ = ["open_sharded_session", "recorded_device", "session_body", "training_device", "training_meta"]
 
 
 def session_body(options: CheckpointOptions, step: int, meta: dict[str, Any]) -> dict[str, Any]:
@@ -45,6 +46,27 @@ def training_device(module: torch.nn.Module) -> str:
     base compacted there matches the fingerprints recorded in training."""
     param = next(module.parameters(), None)
     return "cpu" if param is None else str(local(param).device)
+
+
+def recorded_device(meta: dict[str, Any]) -> str:
+    """Where to replay a session's steps by default: the device type it trained on (its session
+    file's ``device``, :func:`training_device`; the CPU for sessions of diffckpt versions that
+    did not record it), the only one on which replay is bit-exact (``compact``, ``verify``,
+    ``export`` and :func:`diffckpt.load_state` with ``device=None``).
+
+    Raises:
+        UnsupportedConfigurationError: that device is not available here.
+    """
+    device = torch.device(str(meta.get("device", "cpu"))).type
+    here = torch.accelerator.current_accelerator()
+    if device != "cpu" and (here is None or here.type != device):
+        raise UnsupportedConfigurationError(
+            f"session g{meta.get('gen')} trained on {meta['device']}, and replay is bit-exact only on the device type "
+            f"training ran on, but there is no {device.upper()} device here. Replay on a machine that has one, or "
+            f"on this one's CPU with --device cpu (device=\"cpu\" from Python): the result may then differ from "
+            "the state training had, so replay checks it against the fingerprints recorded in training and stops "
+            "if they differ (a chain without fingerprints is not checked)")
+    return device
 
 
 def training_meta(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],

@@ -246,10 +246,7 @@ class BackgroundWriter:
             if len(self._open) and not kept:
                 log.info("diffckpt: %d trailing step(s) after the last restorable step were not kept",
                          len(self._open))
-            if kept:
-                self._open.keep()
-            else:
-                self._open.discard()
+            self._open.keep() if kept else self._open.discard()
             self._open = None
         if self.journal is not None and not self._committer.in_flight:
             remove_folder(self.journal.folder)
@@ -281,8 +278,7 @@ class BackgroundWriter:
         self._raise_if_failed()
 
     def _fail(self, exc: BaseException) -> None:
-        if self._error is None:
-            self._error = exc
+        self._error = self._error or exc  # the first error is the one re-raised
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:

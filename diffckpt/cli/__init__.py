@@ -58,9 +58,9 @@ def _groups() -> dict[str, argparse.ArgumentParser]:
     replaying.add_argument("--step", type=int, help="step to rebuild (default: newest durable)")
     replaying.add_argument("--allow-module", action="append", default=["torch."], metavar="MODULE",
                            help="also import optimizer classes from MODULE (default: torch.)")
-    replaying.add_argument("--device", default="cpu",
-                           help="replay on this device; use the device type training ran on (e.g. cuda) "
-                                "for a bit-exact result")
+    replaying.add_argument("--device", default=None,
+                           help="replay on this device (default: the device type the run trained on, the only "
+                                "one that gives a bit-exact result; refused where there is none)")
     as_json = argparse.ArgumentParser(add_help=False)
     as_json.add_argument("--json", action="store_true", help="print JSON for scripts")
     return {"common": common, "storage": storage, "replaying": replaying, "json": as_json}

@@ -25,11 +25,11 @@ import torch
 from .. import planning
 from ..checksums import fingerprint
 from ..deprecation import renamed_kwargs
-from ..errors import CheckpointNotFoundError, UnsupportedConfigurationError
+from ..errors import CheckpointNotFoundError
 from ..format import BaseName, base_commit
 from ..loading import load_state
 from ..runstore import RunStore
-from ..sessionfile import training_device  # re-exported: it was defined here
+from ..sessionfile import recorded_device, training_device  # re-exported: they were defined here
 from ..storage import Storage, open_storage
 from ..tree import pack_parts
 
@@ -63,26 +63,6 @@ class CompactionResult:
                 "verified_at_step": self.verified_at_step, "bytes": self.bytes,
                 "seconds": round(self.seconds, 3), "replay_s": round(self.replay_s, 3),
                 "steps_per_s": round(self.replayed / self.replay_s, 1) if self.replay_s > 0 else None}
-
-
-def recorded_device(meta: dict[str, Any]) -> str:
-    """Where to replay a session's steps by default: the device type it trained on (its session
-    file's ``device``, :func:`training_device`; the CPU for sessions of diffckpt versions that
-    did not record it), the only one on which replay is bit-exact.
-
-    Raises:
-        UnsupportedConfigurationError: that device is not available here.
-    """
-    device = torch.device(str(meta.get("device", "cpu"))).type
-    here = torch.accelerator.current_accelerator()
-    if device != "cpu" and (here is None or here.type != device):
-        raise UnsupportedConfigurationError(
-            f"session g{meta.get('gen')} trained on {meta['device']}, and replay is bit-exact only on the device type "
-            f"training ran on, but there is no {device.upper()} device here. Compact on a machine that has one, or "
-            f"replay on this one's CPU with --device cpu (device=\"cpu\" from Python): the base may then differ from "
-            "the state training had, so replay checks it against the fingerprints recorded in training and writes "
-            "nothing if they differ (a chain without fingerprints is not checked)")
-    return device
 
 
 def compaction_target(store: RunStore, to: int | None) -> tuple[int, int, int]:

@@ -14,6 +14,7 @@ import torch
 from engine_runs import assert_state, base_dir, restore, train
 from helpers import assert_bitwise_equal, subprocess_env
 from s3env import need_s3_packages
+from safetensors.torch import load_file
 from test_compressed import CODECS, Run
 from test_compressed import make as make_coded
 
@@ -138,6 +139,28 @@ def test_a_run_trained_on_cuda_is_compacted_on_cuda_or_refused(run: tuple[Path, 
     info, tree = _base(root, 9)
     assert info["compacted"]["device"] == "cpu"
     assert_bitwise_equal(truth[9]["model"], tree["model"])  # training ran on the CPU after all
+
+
+def test_verify_and_export_replay_on_the_recorded_device_or_refuse(run: tuple[Path, dict[int, Any]], tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """``verify`` and ``export`` replay where training ran, as ``compact`` does: on another
+    device type the fingerprints recorded in training would report damage that is not there."""
+    root, truth = run
+    out = tmp_path / "out.safetensors"
+    assert main(["verify", str(root)]) == 0  # trained on the CPU: replayed there
+    session = root / "sessions" / "g000001.json"
+    session.write_text(json.dumps({**json.loads(session.read_text()), "device": "cuda:0"}))
+    _accelerator(monkeypatch, None)
+    capsys.readouterr()
+    for command in (["verify", str(root)], ["export", str(root), "-o", str(out)]):
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert "trained on cuda:0" in err and "no CUDA device here" in err and "--device cpu" in err
+    assert not out.exists()
+    assert main(["verify", str(root), "--device", "cpu"]) == 0
+    assert main(["export", str(root), "--step", "9", "-o", str(out), "--device", "cpu"]) == 0
+    assert_bitwise_equal(truth[9]["model"], load_file(str(out)))  # training ran on the CPU after all
 
 
 def test_replay_that_diverges_from_training_writes_nothing(run: tuple[Path, dict[int, Any]]) -> None:
