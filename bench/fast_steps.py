@@ -332,6 +332,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     last, warmup, pause = spec["last"], spec["warmup"], spec["device_ms"] / 1000
     committed: dict[int, float] = {0: time.perf_counter()}
     t0, cpu0 = time.perf_counter(), thread_cpu()
+    stated = False
     for n in range(start + 1, last + 1):
         if n == warmup + 1:
             t0, cpu0 = time.perf_counter(), thread_cpu()
@@ -345,6 +346,10 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         if spec["mode"] != "timed":
             durable, local = tiers(engine) if engine is not None else (None, None)
             print(f"STEP {n} durable {durable} local {local}", flush=True)
+            bound = getattr(getattr(getattr(engine, "recorder", None), "writer", None), "loss", None)
+            if bound is not None and not stated:  # what the run said each failure loses, once
+                print(f"BOUND crash {bound.crash_steps} node {bound.node_steps}: {bound.text}", flush=True)
+                stated = True
         time.sleep(pause)
     t_loop, cpu1 = time.perf_counter(), thread_cpu()
     out: dict[str, Any] = {"start": start, "last": last, "imported_diffckpt": "diffckpt" in sys.modules}
@@ -512,6 +517,10 @@ def kill_one(args: argparse.Namespace, common: dict[str, Any], workdir: str, nam
         last = max(steps, key=lambda s: int(s[1]))
         row["killed_at"] = int(last[1])
         row["durable_printed"], row["local_printed"] = parse_value(last[3]), parse_value(last[5])
+        bound = next((line.split() for line in log.splitlines() if line.startswith("BOUND ")), None)
+        if bound is not None:
+            row["stated_crash_steps"], row["stated_node_steps"] = parse_value(bound[2]), parse_value(bound[4].rstrip(":"))
+            row["stated"] = " ".join(bound[5:])
         if scenario == "local tier gone" and folder is not None:  # another node: no spool, no journal
             shutil.rmtree(folder, ignore_errors=True)
         resumed = result_of(*spawn({**spec, "mode": "resume", "final": final}, args.timeout), "the resume")
@@ -582,11 +591,13 @@ def report(data: dict[str, Any]) -> list[str]:
         lines += ["", f"kill -9 at step {k['kill_at']} of {k['kill_steps']}, device time {k['device_ms']:g} ms, "
                   "every tensor compared with `torch.equal` against a run without diffckpt:", "",
                   "| config | scenario | outcome | killed at | durable / local step printed last | resumed from | "
-                  "steps lost | tensors |", "|---|---|---|---:|---|---:|---:|---:|"]
+                  "steps lost | stated bound (steps) | tensors |", "|---|---|---|---:|---|---:|---:|---:|---:|"]
         for r in k["rows"]:
+            stated = r.get("stated_crash_steps" if r["scenario"] == "process crash" else "stated_node_steps", "—")
             lines.append(f"| {r['config']} | {r['scenario']} | {r['status']} | {r.get('killed_at', '—')} | "
                          f"{r.get('durable_printed', '—')} / {r.get('local_printed', '—')} | "
-                         f"{r.get('resumed_from', '—')} | {r.get('steps_lost', '—')} | {r.get('tensors', '—')} |")
+                         f"{r.get('resumed_from', '—')} | {r.get('steps_lost', '—')} | {stated} | "
+                         f"{r.get('tensors', '—')} |")
         lines += [f"- {name} skipped: {why}" for name, why in k["skipped"].items()]
     return lines
 

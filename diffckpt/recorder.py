@@ -29,7 +29,7 @@ from .lifecycle.maintenance import Maintenance
 from .localtier import merge_for_rank
 from .locate import Located, locate
 from .lossbound import loss_bound
-from .options import CheckpointOptions
+from .options import BY_BYTES, CheckpointOptions
 from .policies import IntervalPolicy, StepContext
 from .replay import ReplayResult
 from .restoring import restore_live
@@ -305,12 +305,13 @@ class Recorder:
         the metrics too) and what the run will take on storage (``lifecycle/footprint.py``)."""
         self._projected, writer, o = True, self.writer, self.options
         assert writer is not None
-        base, every = max(self._base_nbytes, self._base_bytes_now()), self.tuning.settings.base_every_n_steps
+        base, sized = max(self._base_nbytes, self._base_bytes_now()), self.tuning.settings.base_every_n_steps
+        every = BY_BYTES if sized is None and o.base_every_n_steps == BY_BYTES else sized  # sized after this record
         writer.state_loss(loss_bound(o, writer.journal is not None, writer.write_batch, writer.stats.durable_bps,
                                      self.stream.storage.url, step_s=step_s, record_bytes=step_bytes,
                                      base_bytes=base, base_every=every))
         if self.collects_garbage:
-            log.info("diffckpt: %s", session_projection(o, every, step_bytes, base, self._streams))
+            log.info("diffckpt: %s", session_projection(o, sized, step_bytes, base, self._streams))
 
     def flush(self, timeout: float | None = None) -> int | None:
         """Block until everything captured is durable; return the durable step.

@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 
 import pytest
-from engine_runs import make, optimizer_step
+from engine_runs import FaultyStorage, make, optimizer_step
 
 from diffckpt import CheckpointEngine, CheckpointOptions
 from diffckpt.lossbound import loss_bound
@@ -71,4 +71,20 @@ def test_the_first_record_states_the_bound_in_the_log_and_the_metrics(tmp_path: 
     assert len(stated) == 1 and "a node loss loses at most" in stated[0], caplog.text
     metrics = CheckpointMetrics.of(engine.recorder.writer, 2).as_dict()  # type: ignore[arg-type]
     assert metrics["diffckpt/crash_loss_bound_steps"] == 1 and metrics["diffckpt/node_loss_bound_steps"] >= 1
+    engine.close()
+
+
+def test_a_slow_run_root_with_bases_sized_by_bytes_states_a_node_bound_at_the_first_record(tmp_path: Path) -> None:
+    """``base_every_n_steps="bytes"`` (the default) is sized once the first record is in; the
+    statement at that record sizes it as the recorder then will, not as a run without bases."""
+    m, o = make()
+    storage = FaultyStorage(str(tmp_path / "run"), latency=0.3)  # far slower than the records
+    engine = CheckpointEngine(storage, CheckpointOptions(local_dir=str(tmp_path / "local")))  # type: ignore[arg-type]
+    engine.start(m, o, 0)
+    engine.write_base(0, m.state_dict(), [x.state_dict() for x in o], {"x": 0})
+    optimizer_step(m, o, 1)
+    engine.record_step(1, {"x": 1})
+    bound = engine.recorder.writer.loss  # type: ignore[union-attr]
+    assert bound is not None and not bound.keeps_up, bound
+    assert bound.node_steps is not None and "takes bases" in bound.text, bound.text
     engine.close()
