@@ -279,7 +279,8 @@ def rss_peak() -> int:
 
 def thread_cpu() -> dict[str, float]:
     """CPU seconds each live Python thread has used (``/proc``; empty elsewhere), by name with
-    the session and worker numbers dropped (``diffckpt-commit-g1`` and ``-g2`` are one row)."""
+    the session and worker numbers dropped (``diffckpt-commit-g1`` and ``-g2`` are one row), and
+    the whole process's (``process``: threads that ended count there only)."""
     out: dict[str, float] = {}
     tick = os.sysconf("SC_CLK_TCK")
     for t in threading.enumerate():
@@ -290,6 +291,8 @@ def thread_cpu() -> dict[str, float]:
             continue
         name = re.sub(r"(-g\d+|_\d+)$", "", t.name)
         out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    usage = resource.getrusage(resource.RUSAGE_SELF)  # every thread's, those that ended too
+    out["process"] = usage.ru_utime + usage.ru_stime
     return out
 
 

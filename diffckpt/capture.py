@@ -8,7 +8,7 @@ Encoding, compression and I/O happen in the background writer.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,6 +17,9 @@ from .errors import GradientMutatedError, UnsupportedConfigurationError
 from .leases import GradientLeases, Lease
 from .pausable import Pausable
 from .sharding import local
+
+if TYPE_CHECKING:
+    from .snapshot import DeferredCopy
 
 __all__ = ["StepCapture", "clone_tree", "group_hyperparams", "tree_nbytes"]
 
@@ -110,6 +113,7 @@ class StepCapture(Pausable):
         self._paused = False
         self._depth = [0] * len(self.optimizers)
         self._update_start = 0.0
+        self._copying: list[DeferredCopy] = []  # a base's host copies the next step must wait for
         self.copy_s = 0.0  # time spent copying gradients since the last take()
         self.update_s = 0.0  # time the optimizer updates took since the last take()
         self._handles = []
@@ -123,6 +127,7 @@ class StepCapture(Pausable):
                 check_step_arguments(optimizer, kwargs)
                 if not self._depth[index]:
                     self.leases.before_step()  # the step may change gradients a record still holds
+                    self.end_copies()  # ... and the parameters a base is still copying
             self._depth[index] += 1
             if self._depth[index] == 1:
                 self._update_start = time.perf_counter()
@@ -172,6 +177,17 @@ class StepCapture(Pausable):
             if lease.failure is not None:  # refused here, before the record is queued
                 raise GradientMutatedError(lease.failure)
         return [lease for lease in taken if not lease.ended]
+
+    def wait_before_step(self, copying: DeferredCopy | None) -> None:
+        """Make the next ``optimizer.step()`` wait for ``copying`` (a base's host copies)."""
+        if copying is not None:
+            self._copying.append(copying)
+
+    def end_copies(self) -> None:
+        """Wait for the bases' host copies (before anything may change what they copy)."""
+        for copying in self._copying:
+            copying.done.wait()
+        self._copying.clear()
 
     def end_leases(self, spare: list[Lease]) -> None:
         """End every lease but ``spare`` now, copying what training still holds (before training

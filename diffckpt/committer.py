@@ -37,6 +37,7 @@ from .format import BaseName, SegmentName, base_commit
 from .openseg import OpenSegment
 from .outage import Outage
 from .runstore import RunStore
+from .snapshot import DeferredCopy
 from .staging import HostStage
 from .storage import Storage
 from .storage.protocol import data_size
@@ -62,6 +63,7 @@ class PendingBase:
     snapshot: tuple[dict[str, Any], list[torch.Tensor]] | None
     ready: list[Any]
     stage: HostStage
+    copying: DeferredCopy | None = None  # host copies still being made (snapshot.py)
     size: int = 0
     pack_s: float = 0.0
     _staged: list[torch.Tensor] = field(default_factory=list, repr=False)
@@ -70,6 +72,8 @@ class PendingBase:
         """The base's parts (views of its host copy, no copy) and its parameters to fingerprint."""
         assert self.snapshot is not None, "a base is packed once"
         start = time.monotonic()
+        if self.copying is not None:
+            self.copying.result()  # raises if what it copied changed outside the optimizer first
         # Into ordinary memory: pinned buffers of a base's shapes would hold the pinned bound for
         # a copy made once an interval, off the training path (staging.py).
         (tree, params), self._staged = self.stage.to_host(self.snapshot, self.ready, pooled=False)

@@ -37,6 +37,7 @@ from .runstore import RunStore
 from .sessionfile import session_body, training_device, training_meta
 from .shardedrun import ShardedRun
 from .sharding import local, local_tree
+from .snapshot import snapshot_tree
 from .staging import HostStage
 from .storage import Storage, open_storage
 from .storage.retry import unwrap
@@ -227,7 +228,7 @@ class Recorder:
         Args:
             step: the step counter after these optimizer steps (strictly increasing).
             state: framework state at this step (loops, schedulers, RNG...), or ``None`` if this
-                step is not a restorable point. Copied here; tensors are cloned.
+                step is not a restorable point; cloned here.
         """
         writer, capture, module = self._require()
         if step <= self._prev_step:
@@ -275,11 +276,11 @@ class Recorder:
         ``codec_states`` is every rank's codec state (:meth:`GradientCompressor.state_dict`), in
         rank order, for a codec that keeps state.
         """
-        writer, _, module = self._require()
+        writer, capture, module = self._require()
         start = time.perf_counter()
-        # Sharded training: this rank's pieces, as plain tensors (the session's shard table says
-        # where they sit in the full tensors).
-        tree = clone_tree(local_tree({"model": model_state, "optimizers": optimizer_states, "state": state}))
+        # Sharded: this rank's pieces (the shard table places them); host parameters copied beside training
+        tree, copying = snapshot_tree(local_tree({"model": model_state, "optimizers": optimizer_states, "state": state}),
+                                      module, capture.optimizers, step)
         if codec_states and any(codec_states):
             tree["codec"] = clone_tree(list(codec_states))
         names = [n for n, _ in module.named_parameters()]
@@ -289,11 +290,11 @@ class Recorder:
         stalled = writer.stats.stall_seconds
         params = [tree["model"][n] for n in names]
         nbytes = tree_nbytes(tree)
-        writer.put_base(step, tree, params, nbytes, HostStage.mark((tree, params)))
+        writer.put_base(step, tree, params, nbytes, HostStage.mark((tree, params)), copying)
+        capture.wait_before_step(copying)
         if writer.journal is not None and writer.durable_step is None:
-            # The session's first base: its journal continues nothing durable until the base is,
-            # so training waits for it once, or a crash just after a resume would lose every step
-            # since (the node-local tier's promise, docs/storage.md).
+            # The session's first base: its journal continues nothing durable until the base is, so
+            # training waits for it once, or a crash just after a resume loses every step since.
             writer.flush()
         self._last_base, self._base_nbytes = step, nbytes
         self.tuning.based(step, nbytes)

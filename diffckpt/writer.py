@@ -38,6 +38,7 @@ from .options import CheckpointOptions
 from .outage import Outage
 from .recordprep import narrow_gradients, prepare_record
 from .runstore import RunStore, loss_path
+from .snapshot import DeferredCopy
 from .staging import HostStage
 from .storage import Storage
 from .storage.retry import RetryingStorage
@@ -152,9 +153,9 @@ class BackgroundWriter:
         self.last_step = record["step"]
 
     def put_base(self, step: int, tree: dict[str, Any], params: list[torch.Tensor], nbytes: int,
-                 ready: Any = None) -> None:
-        """Queue a full base; ``params``: its copied parameters to fingerprint (``ready``: as above)."""
-        self._put("base", (step, tree, params, ready), nbytes)
+                 ready: Any = None, copying: DeferredCopy | None = None) -> None:
+        """Queue a full base; ``params``: its parameters to fingerprint (``ready``, ``copying``: PendingBase's)."""
+        self._put("base", (step, tree, params, ready, copying), nbytes)
 
     def retarget(self, write_batch: int) -> None:
         """Take a new ``write_batch`` (the auto-tuner's) from the next record queued on.
@@ -385,16 +386,15 @@ class BackgroundWriter:
         if wait:
             self._committer.settle()
 
-    def _queue_base(self, step: int, tree: dict[str, Any], params: list[torch.Tensor], ready: Any) -> None:
-        """Cut the open segment and hand it and the base, in order, to the commit thread, which
-        copies the base to the host when its turn comes (:class:`PendingBase`): training waits
-        neither for that copy nor for the upload, only for the records after the base to be
-        journaled, which continue from its step."""
+    def _queue_base(self, step: int, tree: dict[str, Any], params: list[torch.Tensor], ready: Any,
+                    copying: DeferredCopy | None) -> None:
+        """Cut the open segment and hand it and the base, in order, to the commit thread, which copies
+        the base to the host when its turn comes (PendingBase): training waits neither for that
+        nor for the upload, only for the records after it to be journaled."""
         self._write_segment(wait=False)
         if self._open is not None:  # records to the base's step: none restorable, the base has them
             self._open = self._open.drop_through(step)
-        base = PendingBase(BaseName(step, self.gen), (tree, params), [ready] if ready is not None else [],
-                           self._committer.stage)
+        base = PendingBase(BaseName(step, self.gen), (tree, params), [ready] if ready else [], self._committer.stage, copying)
         self._committer.start(base, base.name, 0, 0)
         self._after = step
         self._last_buffers = None
