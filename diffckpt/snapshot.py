@@ -34,7 +34,7 @@ class DeferredCopy:
     """Copies of ``pairs`` (``(source, destination)`` host tensors) made on a thread of its own."""
 
     def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], step: int) -> None:
-        self.step = step
+        self.step, self.count = step, len(pairs)
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] | None = pairs
         self._versions = [src._version for src, _ in pairs]
         self._error: BaseException | None = None
@@ -66,19 +66,30 @@ class DeferredCopy:
             raise self._error
 
 
+def _storage(t: torch.Tensor) -> int | None:
+    """Where a plain host tensor's memory starts; ``None`` for any other tensor (a GPU's, a
+    tensor subclass's, one with no memory, or whose storage was freed, as FSDP2 frees a
+    parameter's unsharded storage): those are cloned at once."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device.type != "cpu":
+        return None
+    try:
+        return t.untyped_storage().data_ptr() or None
+    except RuntimeError:
+        return None
+
+
 def snapshot_tree(tree: Any, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
                   step: int) -> tuple[Any, DeferredCopy | None]:
     """``clone_tree(tree)``, except that the host tensors holding ``module``'s parameters or
     ``optimizers``' state are copied by a :class:`DeferredCopy` (returned, ``None`` when there
     are none): the tree holds their destinations, filled once it is done."""
-    owned = {local(p).untyped_storage().data_ptr() for p in module.parameters() if local(p).device.type == "cpu"}
-    owned |= {t.untyped_storage().data_ptr() for o in optimizers for s in o.state.values() for t in s.values()
-              if isinstance(t, torch.Tensor) and t.device.type == "cpu"}
-    owned.discard(0)  # empty storages
+    owned = {_storage(local(p)) for p in module.parameters()}
+    owned |= {_storage(t) for o in optimizers for s in o.state.values() for t in s.values() if isinstance(t, torch.Tensor)}
+    owned.discard(None)
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def walk(obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and obj.untyped_storage().data_ptr() in owned:
+        if isinstance(obj, torch.Tensor) and _storage(obj) in owned:
             src = obj.detach()
             pairs.append((src, torch.empty_like(src)))
             return pairs[-1][1]

@@ -42,6 +42,8 @@ def test_only_what_the_optimizer_changes_is_copied_beside_training() -> None:
     optimizer_step(m, o, 1)  # the optimizer has state
     tree, copying = snapshot_tree({"model": m.state_dict(), "optimizers": [x.state_dict() for x in o]}, m, o, 1)
     assert copying is not None
+    state_tensors = sum(isinstance(t, torch.Tensor) for x in o for s in x.state.values() for t in s.values())
+    assert copying.count == len(list(m.parameters())) + state_tensors  # AdamW: exp_avg, exp_avg_sq, step
     copying.result()
     assert_bitwise_equal(untouched(m, o), tree)
     state = m.state_dict()
