@@ -44,6 +44,7 @@ from .errors import StorageError
 from .storage.nodelocal import (
     free_bytes,
     identity,
+    local_path,
     lock,
     memory_backed,
     open_private,
@@ -78,8 +79,8 @@ class JournalPlace:
     """Where the journals of one stream go: ``folder`` (:func:`journal_folder`), the stream's
     ``url`` their headers name, and the ``session`` id of the session file they continue (a run
     root made anew at the same URL has sessions of the same numbers, not of the same ids).
-    ``memory``: whether the folder is held in memory (the spools then go there whatever the run
-    root, so that records are written at memory speed)."""
+    ``memory``: whether the folder is held in memory and the run root is not (the spools then go
+    there whatever the run root, so that records are written at memory speed)."""
 
     folder: str
     url: str
@@ -119,8 +120,11 @@ def place_for(local_dir: str | None, url: str, session: str | None = None) -> Jo
     (``None``: no journal); ``session``: the id of the writing session's file."""
     if local_dir is None:
         return None
-    folder = resolve_local_dir(local_dir)
-    return JournalPlace(journal_folder(folder, url), url, session, memory_backed(folder))
+    folder, root = resolve_local_dir(local_dir), local_path(url)
+    # A run root held in memory takes the spools itself, committed by a rename: in the tier's
+    # folder, each record would be written twice, there and by the commit's copy.
+    memory = memory_backed(folder) and not (root is not None and memory_backed(root))
+    return JournalPlace(journal_folder(folder, url), url, session, memory)
 
 
 def tier_budget(local_dir: str | None, given: int | None) -> int:

@@ -28,7 +28,7 @@ import stat
 
 from ..errors import StorageError
 
-__all__ = ["free_bytes", "identity", "lock", "locked", "memory_backed", "open_private", "private_folder", "running",
+__all__ = ["free_bytes", "identity", "local_path", "lock", "locked", "memory_backed", "open_private", "private_folder", "running",
            "user_folder"]
 
 try:  # POSIX; elsewhere nothing is locked and every writer counts as running
@@ -189,6 +189,13 @@ def running(pid: int, ident: dict[str, str]) -> bool:
 
 
 _MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
+
+
+def local_path(url: str) -> str | None:
+    """The directory a local ``url`` names (``None``: a remote store)."""
+    if "://" not in url:
+        return url
+    return url.split("://", 1)[1] if url.startswith(("file://", "local://")) else None
 
 
 def memory_backed(path: str) -> bool:

@@ -17,6 +17,7 @@ from typing import Any
 
 from ..errors import StorageError, StorageUnavailableError, UnsupportedConfigurationError
 from ..storage import RetryPolicy, open_storage
+from ..storage.nodelocal import local_path  # re-exported: it was defined here
 from ..units import KiB, MiB
 
 __all__ = ["DEFAULT_REPEATS", "DEFAULT_SIZES", "PROBE_PREFIX", "PROBE_RETRY", "fit_write_cost", "local_path",
@@ -85,13 +86,6 @@ def probe_storage(storage: Any, sizes: Sequence[int] = PROBE_SIZES, repeats: int
             except Exception:  # a leftover probe object is harmless; the probe's result is not
                 pass
     return samples
-
-
-def local_path(url: str) -> str | None:
-    """The directory a local ``url`` names (``None``: a remote store)."""
-    if "://" not in url:
-        return url
-    return url.split("://", 1)[1] if url.startswith(("file://", "local://")) else None
 
 
 def probe(url: str, storage_options: dict[str, Any], sizes: Sequence[int], repeats: int,

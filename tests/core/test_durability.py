@@ -197,3 +197,29 @@ def test_a_local_tier_in_memory_holds_the_spools_of_a_local_run_root(tmp_path: P
             assert_state(truth, result, mod, opts)
     finally:
         shutil.rmtree(local, ignore_errors=True)
+
+
+@pytest.mark.skipif(not memory_backed("/dev/shm"), reason="no shared memory held in memory here")
+def test_a_run_root_in_memory_takes_its_spools_itself(tmp_path: Path) -> None:
+    """With the run root in memory too, a spool in the tier's folder would be written twice (there,
+    then by the commit's copy): the root's own spools are at memory speed and commit by a rename."""
+    shm = Path("/dev/shm") / f"diffckpt-test-{tmp_path.name}"
+    local, root = shm / "local", shm / "run"
+    try:
+        m, o = make()
+        engine = CheckpointEngine(root, CheckpointOptions(**{**OPTIONS, "local_dir": str(local)}))
+        engine.start(m, o, 0)
+        truth = {0: snapshot(m, o, 0)}
+        engine.write_base(0, m.state_dict(), [x.state_dict() for x in o], {"x": 0})
+        writer = engine.recorder.writer
+        assert writer is not None and writer.journal is not None and not writer.journal.memory
+        train_steps(engine, m, o, 1, 7, truth)
+        assert writer._open is not None and writer._open.spool.path.startswith(str(root / "diffs"))
+        assert sorted(e["step"] for j in journals(writer.journal.folder, writer.journal.url) for e in j.entries)
+        assert engine.close() == 7
+        assert not list(root.rglob("*.tmp"))
+        for step in range(8):
+            result, mod, opts = restore(str(root), step)
+            assert_state(truth, result, mod, opts)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
