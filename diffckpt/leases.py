@@ -80,13 +80,14 @@ class Lease:
     """The gradients one optimizer step left to a record without a copy; ended once training let
     go of each (or they were copied)."""
 
-    __slots__ = ("_done", "_open", "_read", "failure", "ready")
+    __slots__ = ("_done", "_judge", "_open", "_read", "failure", "ready")
 
     def __init__(self) -> None:
         self._open = 0
         self._done = threading.Event()
         self._done.set()
         self._read = threading.Lock()  # held by the writer while it reads the gradients
+        self._judge: Callable[[], None] | None = None  # looks again at what training let go of
         self.failure: str | None = None  # why the record must not be written
         self.ready: list[Any] = []  # events after copies made on a GPU when the lease ended
 
@@ -116,16 +117,23 @@ class Lease:
 
 
 @contextlib.contextmanager
-def reading(leases: list[Lease]) -> Iterator[None]:
+def reading(leases: list[Lease], judge: bool = False) -> Iterator[None]:
     """Hold ``leases`` for a read of their gradients by the writer, which need not wait for
     training to let go first: training changes no leased gradient in place, nor swaps a copy in
     for it, while this is held (it waits for the read to end instead, which only training that
     is not trusted with leases does). Whether the read holds what the step consumed is known when
-    the leases end (:meth:`Lease.wait`). Taken in one order on both sides, so two never deadlock."""
+    the leases end (:meth:`Lease.wait`). Taken in one order on both sides, so two never deadlock.
+
+    ``judge``: once the read is done, look again at the gradients training let go of while it
+    ran, whose check waited for it (the read's references are not training's): training may not
+    come back to look before it next waits for the writer (a loop's last step)."""
     with contextlib.ExitStack() as held:
         for lease in sorted(leases, key=id):
             held.enter_context(lease._read)
         yield
+    for lease in leases if judge else ():
+        if not lease.ended and lease._judge is not None:
+            lease._judge()
 
 
 # One watched gradient: the parameter, the tensor the step consumed, its version counter then,
@@ -171,6 +179,8 @@ class GradientLeases:
         piece on this rank (it is always copied)."""
         leasing = self.leasing(index)
         lease = Lease() if leasing else None
+        if lease is not None:
+            lease._judge = functools.partial(self.settle, False)
         grads: list[list[torch.Tensor | None]] = []
         to_copy: list[tuple[list[Any], int, torch.Tensor]] = []
         for group in optimizer.param_groups:

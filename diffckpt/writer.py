@@ -338,7 +338,7 @@ class BackgroundWriter:
                                          self.options.compression_level, journal=self.journal, lost=self._tier_lost)
             # Read at once, though training may still hold the gradients, and journaled once it let
             # go of them unchanged (leases.py): a loop lets go only when its next step begins.
-            with reading(leases):
+            with reading(leases, judge=True):
                 self._encode(record, ([ready] if ready is not None else []) + [e for x in leases for e in x.ready])
                 for event in record["events"]:  # written: no reference of this thread's to count
                     event.pop("grads", None)
