@@ -75,9 +75,11 @@ def test_compaction_from_another_process_while_training(tmp_path: Path, referenc
     result: dict[str, Any] = {}
 
     def train() -> None:
+        # 0.25 s a step: training outlasts two compactions from a new process (each imports torch);
+        # at 0.05 s, a run that no longer waits for its writer finished before the second
         result["rc"], result["log"] = run_script(SCRIPT, [
             "adamw", str(tmp_path / "final.pt"), "--dirpath", run, "--steps", str(STEPS),
-            "--options", json.dumps({"base_every_n_steps": None}), "--step-sleep", "0.05"])
+            "--options", json.dumps({"base_every_n_steps": None}), "--step-sleep", "0.25"])
 
     trainer = threading.Thread(target=train)
     trainer.start()
