@@ -45,6 +45,7 @@ def test_the_makefile_target_runs_the_dry_check_with_the_projects_python() -> No
     assert make_n("gpu-check") == ["python3 bench/gpu_check.py"]  # the GPU machine's own python3, no venv
 
 
+@pytest.mark.slow  # 3-4 minutes on 2 cores, its parts' kill -9 checks in each front end's suite too
 def test_the_dry_run_goes_through_every_part_and_reports_each(tmp_path: Path) -> None:
     done = check("--dry", "--out", str(tmp_path))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

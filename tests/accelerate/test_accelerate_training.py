@@ -106,7 +106,8 @@ def test_kill9_then_restore_last_is_bitwise_identical(config, reference, tmp_pat
     assert resumed_from >= kill_at - 2, (resumed_from, kill_at, SEED)
 
 
-@pytest.mark.parametrize("config", ["auto", "ddp_auto"])
+# One process in make soak: the tuner's settings are the same decisions under DDP, tested by default.
+@pytest.mark.parametrize("config", [pytest.param("auto", marks=pytest.mark.slow), "ddp_auto"])
 def test_auto_tuned_settings_kill9_then_restore_last_is_bitwise_identical(config, reference, tmp_path):
     """All three knobs on "auto": the tuner reviews from step 10 on (under DDP process 0 decides and
     both adopt it, or the gathers at restorable steps would hang) and the resume is exact."""
@@ -156,7 +157,9 @@ def test_stateful_loader_resumes_exactly_at_an_epoch_end_and_in_a_later_epoch(re
         assert_bitwise_equal(reference("stateful")[0], load_ranks(tmp_path / f"from{step}.pt", 1)[0], f"from {step}")
 
 
-@pytest.mark.parametrize("config", ["topk", "powersgd", "ddp_topk", "ddp_powersgd"])
+# Each codec and each layout once by default (powersgd alone, topk under DDP); the other two in make soak.
+@pytest.mark.parametrize("config", [pytest.param(c, marks=pytest.mark.slow) if c in ("topk", "ddp_powersgd") else c
+                                    for c in ["topk", "powersgd", "ddp_topk", "ddp_powersgd"]])
 def test_compressed_kill9_then_restore_last_is_bitwise_identical(config, reference, tmp_path):
     """The reference trains with accelerate_ckpt.GradientCompression and no checkpoints."""
     _kill_and_resume(config, tmp_path, reference)
