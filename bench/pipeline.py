@@ -68,11 +68,11 @@ from provenance import header
 
 from diffckpt import CheckpointOptions
 from diffckpt.capture import group_hyperparams
+from diffckpt.narrowing import narrowed
 from diffckpt.openseg import OpenSegment
 from diffckpt.options import DEFAULT_WRITE_BATCH
 from diffckpt.runstore import RunStore
 from diffckpt.segment import ZSTD_THREADS, SegmentEncoder, zstd_shortens
-from diffckpt.sharding import narrowed
 from diffckpt.storage import FsspecStorage, Spool
 from diffckpt.storage.spoolwrite import PARALLEL_MIN, WRITERS, target_of
 from diffckpt.tree import pack_parts
