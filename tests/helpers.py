@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -172,10 +173,18 @@ def run_training(script: str, args: list[str], prefix: list[str] | None = None, 
     return log
 
 
-def torchrun(port: int, processes: int = 2) -> list[str]:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a process group's rendezvous: asked of the kernel,
+    not taken from a fixed range, so that tests running side by side (``pytest -n``) do not meet."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(port: int | None = None, processes: int = 2) -> list[str]:
     """The command prefix that launches a script on ``processes`` CPU processes (gloo)."""
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
-            "--master_port", str(port)]
+            "--master_port", str(free_port() if port is None else port)]
 
 
 def load_ranks(out: Any, ranks: int) -> list[dict[str, Any]]:

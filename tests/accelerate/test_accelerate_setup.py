@@ -16,7 +16,7 @@ from accelerate.utils import (
     ProjectConfiguration,
 )
 from helpers import run_script, torchrun
-from test_accelerate_training import SCRIPT, _port
+from test_accelerate_training import SCRIPT
 from torch.utils.data import DataLoader, TensorDataset
 
 from accelerate_ckpt import DiffCheckpointer, GradientCompression
@@ -141,7 +141,7 @@ def test_restore_on_empty_root_starts_at_zero_and_a_missing_step_raises(accelera
 
 
 def test_memory_storage_with_several_processes_is_refused(tmp_path):
-    rc, log = run_script(SCRIPT, [str(tmp_path / "x.pt"), "--dirpath", "memory://run"], prefix=torchrun(next(_port)))
+    rc, log = run_script(SCRIPT, [str(tmp_path / "x.pt"), "--dirpath", "memory://run"], prefix=torchrun())
     assert rc != 0 and "memory:// is private to each process" in log, log[-2000:]
 
 

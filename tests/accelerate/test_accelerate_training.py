@@ -18,6 +18,7 @@ import pytest
 import torch
 from helpers import (
     assert_bitwise_equal,
+    free_port,
     load_ranks,
     reference_states,
     run_script,
@@ -32,7 +33,6 @@ from diffckpt.storage import open_storage
 
 SCRIPT = "tests/accelerate/accel_script.py"
 SEED = int(os.environ.get("DIFFCKPT_TEST_SEED", "20261122"))
-_port = iter(range(29650, 29700))
 
 
 def accelerate_launch() -> list[str]:
@@ -40,7 +40,7 @@ def accelerate_launch() -> list[str]:
     script creates ``Accelerator(cpu=True)``)."""
     return [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", "--multi_gpu",
             "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-            "--dynamo_backend", "no", "--main_process_port", str(next(_port))]
+            "--dynamo_backend", "no", "--main_process_port", str(free_port())]
 
 
 # name: (script arguments, processes, optimizer steps in the run); two processes are launched
@@ -66,7 +66,7 @@ CONFIGS = {
 
 def _run(config: str, out: Path, extra: list[str] = (), **kw) -> str:
     args, ranks, _ = CONFIGS[config]
-    prefix = None if ranks == 1 else accelerate_launch() if config == "ddp_topk" else torchrun(next(_port))
+    prefix = None if ranks == 1 else accelerate_launch() if config == "ddp_topk" else torchrun()
     return run_training(SCRIPT, [str(out), *args, *extra], prefix, **kw)
 
 
@@ -98,7 +98,9 @@ def _kill_and_resume(config: str, tmp_path: Path, reference, kill_at: int | None
 
 
 # bf16 kill -9 and restore("last") also runs in make gpu-check's dry run (tests/test_gpu_check.py).
-@pytest.mark.parametrize("config", ["accum_clip", pytest.param("bf16", marks=pytest.mark.slow), "ddp", "stateful"])
+# stateful in make soak: the stateful loader resumes exactly at and after an epoch's end below.
+@pytest.mark.parametrize("config", ["accum_clip", pytest.param("bf16", marks=pytest.mark.slow), "ddp",
+                                    pytest.param("stateful", marks=pytest.mark.slow)])
 def test_kill9_then_restore_last_is_bitwise_identical(config, reference, tmp_path):
     kill_at, resumed_from, _ = _kill_and_resume(config, tmp_path, reference)
     # The node-local tier (on by default): STEP n is printed before step n is committed (at the
@@ -118,7 +120,9 @@ def test_auto_tuned_settings_kill9_then_restore_last_is_bitwise_identical(config
     assert first[0]["settings"]["every_n_steps"] >= 1 and first[0]["measurements"]["step_s"] > 0
 
 
-@pytest.mark.parametrize("config", [pytest.param("compacted", marks=pytest.mark.slow), "ddp_compacted"])
+# make soak: background compaction is killed and resumed under Lightning by default.
+@pytest.mark.parametrize("config", [pytest.param("compacted", marks=pytest.mark.slow),
+                                    pytest.param("ddp_compacted", marks=pytest.mark.slow)])
 def test_background_compaction_kill9_then_restore_last_is_bitwise_identical(config, reference, tmp_path):
     """base_every_n_steps=None: after the starting base, every base is compacted in a background
     thread of process 0, retention keeps the last two, and the resume is exact on every rank."""
@@ -213,13 +217,13 @@ def test_save_state_and_load_state_restore_through_replay(reference, tmp_path):
     assert_bitwise_equal(reference("accum_clip")[0], load_ranks(tmp_path / "loaded.pt", 1)[0])
 
 
-@pytest.mark.parametrize("config", ["accum_clip", "ddp"])
+@pytest.mark.parametrize("config", [pytest.param("accum_clip", marks=pytest.mark.slow), "ddp"])  # accum_clip: make soak
 def test_sigterm_flushes_every_step_and_exits(config, reference, tmp_path):
     """SIGTERM to the process (or to torchrun, which forwards it to both workers): the processes
     agree on a step, record it, flush, log how far durability got and exit; the resume is exact."""
     run = tmp_path / "run"
     args, ranks, _ = CONFIGS[config]
-    launch = None if ranks == 1 else torchrun(next(_port))
+    launch = None if ranks == 1 else torchrun()
     rc, log, sent_after, last = terminate_at_step(SCRIPT, [str(tmp_path / "x.pt"), *args, "--dirpath", str(run)],
                                                   5, prefix=launch)
     assert rc == 128 + signal.SIGTERM if ranks == 1 else rc != 0, log[-2000:]

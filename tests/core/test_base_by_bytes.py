@@ -10,7 +10,6 @@ import itertools
 import json
 import logging
 import os
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ from engine_runs import (
     train,
     train_steps,
 )
-from helpers import finish_process
+from helpers import finish_process, free_port
 
 from diffckpt import CheckpointEngine, CheckpointOptions, TuningOptions
 from diffckpt.collective import TorchCollective
@@ -211,9 +210,7 @@ def _ddp_worker(rank: int, port: int, root: str, out: str) -> None:
 def test_every_ddp_rank_bases_at_the_steps_rank_0_sized(tmp_path: Path) -> None:
     """Only rank 0 records, so only it knows the bytes: the interval it sizes reaches rank 1 with
     the review's broadcast, and both commit the same bases (whose gathers would otherwise hang)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     root, out = str(tmp_path / "run"), str(tmp_path / "out")
     sys.path.insert(0, os.path.dirname(__file__))  # the spawned processes import this module
     mp.spawn(_ddp_worker, args=(port, root, out), nprocs=2, join=True)

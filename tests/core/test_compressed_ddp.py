@@ -5,14 +5,13 @@ gradients, and rank 0's records replay in a single process to the trained state 
 from __future__ import annotations
 
 import os
-import socket
 import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import assert_bitwise_equal, finish_process
+from helpers import assert_bitwise_equal, finish_process, free_port
 
 from diffckpt import CheckpointEngine, CheckpointOptions, GradientCompressor
 from diffckpt.codecs import LowPrecision, PowerSGD, TopK
@@ -59,17 +58,11 @@ def worker(rank: int, port: int, codec: str, root: str) -> None:
     finish_process()  # no interpreter finalization, which aborts a gloo process now and then
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("codec", CODECS)
 def test_ddp_hook_payloads_replay_exactly(tmp_path, codec: str) -> None:
     root = str(tmp_path / "run")
     sys.path.insert(0, os.path.dirname(__file__))  # the spawned processes import this module
-    mp.spawn(worker, args=(_free_port(), codec, root), nprocs=2, join=True)
+    mp.spawn(worker, args=(free_port(), codec, root), nprocs=2, join=True)
     ranks = [torch.load(f"{root}.rank{r}.pt", weights_only=False) for r in (0, 1)]
     assert_bitwise_equal(ranks[0], ranks[1])  # both ranks consumed the same decoded gradients
     store = CheckpointEngine(root).recorder.store

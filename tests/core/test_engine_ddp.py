@@ -5,7 +5,6 @@ share. The resumed run is compared bitwise, on every rank, with a run that never
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from typing import Any
 
@@ -14,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from engine_runs import LoopState
-from helpers import finish_process
+from helpers import finish_process, free_port
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from diffckpt.collective import LocalCollective, TorchCollective
@@ -99,17 +98,11 @@ def worker(rank: int, port: int, root: str, out: str, bucket_view: bool) -> None
     finish_process()  # no interpreter finalization, which aborts a gloo process now and then
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("bucket_view", [False, True], ids=["own-grads", "gradient_as_bucket_view"])
 def test_plain_ddp_loop_resumes_bit_exact_on_every_rank(tmp_path, bucket_view: bool) -> None:
     root, out = str(tmp_path / "run"), str(tmp_path / "state")
     sys.path.insert(0, os.path.dirname(__file__))  # the spawned processes import this module
-    mp.spawn(worker, args=(_free_port(), root, out, bucket_view), nprocs=2, join=True)
+    mp.spawn(worker, args=(free_port(), root, out, bucket_view), nprocs=2, join=True)
     for rank in (0, 1):
         saved = torch.load(f"{out}.rank{rank}.pt", weights_only=False)
         ref, res = saved["reference"], saved["resumed"]

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from helpers import (
     assert_bitwise_equal,
+    free_port,
     load_ranks,
     reference_states,
     run_training,
@@ -35,7 +36,7 @@ CONFIGS = {
 
 def _run(config: str, out: Path, extra: list[str] = (), **kw) -> str:
     args, _, _ = CONFIGS[config]
-    env = {"MASTER_PORT": str(29700 + random.Random(f"{SEED}-{out}").randrange(200))}
+    env = {"MASTER_PORT": str(free_port())}
     return run_training(SCRIPT, [str(out), *args, *extra], env=env, **kw)
 
 
@@ -73,14 +74,14 @@ def test_kill9_then_restore_last_is_bitwise_identical(config, reference, tmp_pat
         raise AssertionError(f"killed at step {kill_at}, resumed from {resumed[0]} (seed {SEED}): {exc}") from None
 
 
-@pytest.mark.parametrize("config", ["single", "ddp"])
+@pytest.mark.parametrize("config", [pytest.param("single", marks=pytest.mark.slow), "ddp"])  # single: make soak
 def test_sigterm_flushes_every_step_and_exits(config, reference, tmp_path):
     """SIGTERM to the process Fabric was started in (rank 0; under DDP its launcher's workers hear
     of it through the engine): every rank records the same step, flushes, logs how far durability
     got and exits; the resume from there is exact."""
     args, ranks, _ = CONFIGS[config]
     run = tmp_path / "run"
-    env = {"MASTER_PORT": str(29900 + random.Random(f"{SEED}-{tmp_path}").randrange(90))}
+    env = {"MASTER_PORT": str(free_port())}
     rc, log, sent_after, last = terminate_at_step(SCRIPT, [str(tmp_path / "x.pt"), *args, "--dirpath", str(run)],
                                                   5, env=env)
     assert rc == 128 + signal.SIGTERM, log[-2000:]

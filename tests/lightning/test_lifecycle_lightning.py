@@ -69,6 +69,7 @@ def test_background_compaction_and_retention_kill9_resume(tmp_path: Path, refere
     assert_bitwise_equal(reference, torch.load(tmp_path / "resumed.pt", weights_only=False))
 
 
+@pytest.mark.slow  # make soak: tests/core/test_compaction.py compacts from another process beside training
 def test_compaction_from_another_process_while_training(tmp_path: Path, reference60) -> None:
     reference, steps = reference60
     run = str(tmp_path / "run")

@@ -135,6 +135,7 @@ def test_kill9_and_resume_last_with_credentials_from_the_environment(tmp_path, s
     assert diffckpt.load_state(s3_bucket.url, storage_options=s3_bucket.storage_options)["step"] == 30
 
 
+@pytest.mark.slow  # make soak: the kill -9 on S3 above, with credentials from the environment
 def test_storage_options_alone_kill9_resume_last_and_explicit_step(tmp_path, s3_bucket, monkeypatch, capsys,
                                                                     reference):  # noqa: F811
     """No AWS variables in the subprocess: endpoint and credentials come from storage_options only,
@@ -213,6 +214,7 @@ def test_sigterm_during_an_outage_gives_up_the_flush_and_resumes_exactly(tmp_pat
     assert_bitwise_equal(reference("adamw"), torch.load(tmp_path / "resumed.pt", weights_only=False))
 
 
+@pytest.mark.slow  # make soak: the SIGTERM flush above during an outage, and on local disk under every front end
 def test_sigterm_through_the_proxy_makes_every_step_durable(tmp_path, s3_bucket, s3_via_proxy, fault_proxy):
     run = _Training(["adamw", str(tmp_path / "x.pt"), "--dirpath", s3_via_proxy.url, "--write-batch", "64",
                      "--base-every", "1000", "--flush-timeout", "60"], env=s3_via_proxy.env)

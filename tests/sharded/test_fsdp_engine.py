@@ -63,6 +63,7 @@ def assert_full_equal(expected: dict[str, Any], state: dict[str, Any]) -> None:
     assert_bitwise_equal(expected["optimizer"], state["optimizers"][0]["state"])
 
 
+@pytest.mark.slow  # make soak: FSDP2 is killed and resumed bitwise by the example and on S3 by default
 def test_kill_at_a_random_step_and_resume_is_bitwise_on_every_rank(reference, tmp_path):
     kill_at = random.Random(os.getpid()).randint(3, STEPS - 2)
     root = tmp_path / "run"

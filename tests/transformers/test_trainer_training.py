@@ -34,7 +34,6 @@ from diffckpt import load_state
 
 SCRIPT = "tests/transformers/trainer_script.py"
 SEED = int(os.environ.get("DIFFCKPT_TEST_SEED", "20261124"))
-_port = iter(range(29710, 29760))
 
 # name: (script arguments, processes, optimizer steps in the run)
 CONFIGS = {
@@ -51,7 +50,7 @@ CONFIGS = {
 
 def run(config: str, out: Path, extra: list[str], **kw) -> str:
     args, ranks, _ = CONFIGS[config]
-    return run_training(SCRIPT, [str(out), *args, *extra], None if ranks == 1 else torchrun(next(_port)), **kw)
+    return run_training(SCRIPT, [str(out), *args, *extra], None if ranks == 1 else torchrun(), **kw)
 
 
 @pytest.fixture(scope="module")
