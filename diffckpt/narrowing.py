@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -32,7 +33,7 @@ __all__ = ["exact_flags", "high_halves", "narrowable", "narrowed"]
 _HIGH = 1 if sys.byteorder == "little" else 0
 _LOW = 1 - _HIGH
 
-_NARROW_CHUNK = 1 << 20  # elements: 4 MiB of float32, which stays in cache between check and copy
+_NARROW_CHUNK = 1 << 18  # elements: 1 MiB of float32, which stays in cache between check and copy
 
 
 def narrowable(g: torch.Tensor) -> bool:
@@ -61,20 +62,31 @@ def high_halves(g: torch.Tensor) -> torch.Tensor:
     return _halves(g)[:, _HIGH].contiguous().view(torch.bfloat16).view(g.shape)
 
 
-def narrowed(g: torch.Tensor) -> torch.Tensor:
+def narrowed(g: torch.Tensor, pool: Any = None, taken: list[torch.Tensor] | None = None) -> torch.Tensor:
     """``g`` in bfloat16 when that loses nothing, else ``g`` (a host gradient; see the module
-    doc). A sample is checked first, so ordinary float32 gradients cost almost nothing."""
+    doc). A sample is checked first, so ordinary float32 gradients cost almost nothing.
+
+    ``pool``: where the 16-bit copy's memory comes from (``staging.PinnedPool``: the same buffers
+    record after record, whose pages are not faulted in anew for every record: at 124M, 162 MiB
+    a record), each buffer taken appended to ``taken`` for the caller to give back once written."""
     if not narrowable(g) or not g.is_contiguous():
         return g
-    halves = _halves(g)
-    if bool(halves[:64, _LOW].any()):
+    # numpy, not torch: its reduction over the strided low halves is faster (check and copy of
+    # 160 MB of float32 on one quiet core: torch 1.2 GB/s, numpy 1.6, numpy into a pooled buffer
+    # 3.75), both release the GIL, and the writer's memory traffic slows the training thread's.
+    halves = _halves(g.detach()).numpy()
+    if halves[:64, _LOW].any():
         return g
     # Checked and copied a cache-sized chunk at a time: one pass over memory instead of three
-    # and no temporary as large as the gradient (at 124M parameters: 0.44 s -> 0.18 s a step).
-    out = torch.empty(halves.shape[0], dtype=torch.int16, device=g.device)
-    for start in range(0, out.numel(), _NARROW_CHUNK):
+    # and no temporary as large as the gradient.
+    n = halves.shape[0]
+    buf = torch.empty(n, dtype=torch.int16) if pool is None else pool.take(torch.empty(n, dtype=torch.int16, device="meta"))
+    if pool is not None and taken is not None:
+        taken.append(buf)
+    out = buf.numpy()
+    for start in range(0, out.size, _NARROW_CHUNK):
         end = start + _NARROW_CHUNK
-        if bool(halves[start:end, _LOW].any()):
+        if halves[start:end, _LOW].any():
             return g
-        out[start:end].copy_(halves[start:end, _HIGH])
-    return out.view(torch.bfloat16).view(g.shape)
+        out[start:end] = halves[start:end, _HIGH]
+    return buf.view(torch.bfloat16).view(g.shape)

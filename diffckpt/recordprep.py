@@ -15,7 +15,7 @@ from .narrowing import narrowed
 __all__ = ["narrow_gradients", "prepare_record"]
 
 
-def narrow_gradients(record: dict[str, Any]) -> list[torch.Tensor]:
+def narrow_gradients(record: dict[str, Any], pool: Any = None, taken: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Store ``record``'s bfloat16-valued float32 gradients in 16 bits (exact, half the bytes,
     and far cheaper than zstd finding the zero halves; replay casts every gradient to its
     parameter's dtype, format.md section 6). Only gradients: a base and the rest of a record
@@ -24,11 +24,11 @@ def narrow_gradients(record: dict[str, Any]) -> list[torch.Tensor]:
     Host gradients are narrowed here, in place (here, not on the training thread: it reads every
     gradient byte). The others are returned: the host stage narrows them on their device before
     it copies them (``staging.py``), so that only the bytes stored cross the bus and none is read
-    twice."""
+    twice. ``pool``, ``taken``: where host copies' memory comes from (:func:`narrowed`)."""
     left: list[torch.Tensor] = []
     for event in record["events"]:
         if "grads" in event:
-            event["grads"] = [[g if g is None or g.device.type != "cpu" else narrowed(g) for g in group]
+            event["grads"] = [[g if g is None or g.device.type != "cpu" else narrowed(g, pool, taken) for g in group]
                               for group in event["grads"]]
             left += [g for group in event["grads"] for g in group if g is not None and g.device.type != "cpu"]
     return left

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from .narrowing import exact_flags, high_halves, narrowable
+from .recordprep import narrow_gradients
 
 __all__ = ["PINNED_CAP", "PINNED_SHARE", "PINNED_UNKNOWN", "HostStage", "PinnedPool", "memory_limit",
            "on_device", "pinned_bound", "pinned_size"]
@@ -147,6 +148,7 @@ class HostStage:
     def __init__(self, pinned_bytes: int | None = None) -> None:
         bound = pinned_bound(memory_limit()) if pinned_bytes is None else pinned_bytes
         self.pool = PinnedPool(bound, pin=torch.cuda.is_available())
+        self._narrowed: list[torch.Tensor] = []  # host copies narrow() took for the record being written
         self._streams: dict[int, Any] = {}
 
     @staticmethod
@@ -237,5 +239,12 @@ class HostStage:
             exact.update(zip(map(id, group), host.tolist()))
         return exact
 
+    def narrow(self, record: dict[str, Any]) -> list[torch.Tensor]:
+        """:func:`~diffckpt.recordprep.narrow_gradients`, the host copies in this stage's pool (the
+        same memory record after record), given back by the next :meth:`release`."""
+        return narrow_gradients(record, self.pool, self._narrowed)
+
     def release(self, buffers: list[torch.Tensor]) -> None:
-        self.pool.give_back(buffers)
+        """Give back a record's buffers (``to_host``'s, and :meth:`narrow`'s) once it is written."""
+        self.pool.give_back(buffers + self._narrowed)
+        self._narrowed.clear()

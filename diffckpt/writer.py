@@ -36,12 +36,13 @@ from .lossbound import LossBound
 from .openseg import OpenSegment
 from .options import CheckpointOptions
 from .outage import Outage
-from .recordprep import narrow_gradients, prepare_record
+from .recordprep import prepare_record
 from .runstore import RunStore, loss_path
 from .snapshot import DeferredCopy
 from .staging import HostStage
 from .storage import Storage
 from .storage.retry import RetryingStorage
+from .storage.spool import release_free_spools
 from .tuning.meter import Meter
 
 __all__ = ["BackgroundWriter", "WriterStats"]
@@ -224,9 +225,8 @@ class BackgroundWriter:
             raise
         finally:
             self._handoff.close()
-            # An abandoned writer may sit in a network call; its threads are daemons, so let them
-            # be after a few seconds. Waiting that long for the commit thread too makes the
-            # durable step reported below final in all but a hung request.
+            # An abandoned writer may sit in a network call: its daemon threads are let be after a few
+            # seconds, which makes the durable step reported below final in all but a hung request.
             deadline = time.monotonic() + 5.0
             self._thread.join(timeout=5.0 if abandoned else None)
             if abandoned and self._committer.thread is not None:
@@ -237,9 +237,8 @@ class BackgroundWriter:
         return self.durable_step
 
     def _settle_local(self, abandoned: bool) -> None:
-        """After the writer stopped: the spools and journals of the segments the run root did not get
-        stay for the node-local tier, closed (their locks go: a resume, in this process too, takes
-        them); the rest goes."""
+        """After the writer stopped: the spools and journals of the segments the run root did not get stay
+        for the node-local tier, closed (their locks go: a resume, in this process too, takes them)."""
         kept = abandoned or self._error is not None
         if kept:
             self._committer.keep_waiting()
@@ -249,6 +248,7 @@ class BackgroundWriter:
                          len(self._open))
             self._open.keep() if kept else self._open.discard()
             self._open = None
+        release_free_spools()  # their memory goes back once a writer ends (spool.KEEP_FREE)
         if self.journal is not None and not self._committer.in_flight:
             remove_folder(self.journal.folder)
 
@@ -357,7 +357,7 @@ class BackgroundWriter:
     def _encode(self, record: dict[str, Any], events: list[Any]) -> None:
         """Narrow, stage and add ``record`` to the open segment, not journaled yet."""
         assert self._open is not None
-        narrow = narrow_gradients(record) if self.narrow_grads else ()
+        narrow = self.stage.narrow(record) if self.narrow_grads else ()
         record, staged = self.stage.to_host(record, events, narrow)
         self._last_buffers = prepare_record(record, self._last_buffers, bool(staged))
         try:

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from diffckpt.narrowing import exact_flags, high_halves, narrowable, narrowed
+from diffckpt.narrowing import _NARROW_CHUNK, exact_flags, high_halves, narrowable, narrowed
 from diffckpt.recordprep import narrow_gradients
+from diffckpt.staging import HostStage
 
 
 def _bits(values: list[int]) -> torch.Tensor:
@@ -25,7 +26,11 @@ def _cases() -> dict[str, torch.Tensor]:
     wide = torch.randn(300, 7, generator=gen)
     one_low_bit = _as_bf16(torch.randn(5000, generator=gen))
     one_low_bit[-1] = one_low_bit[-1].view(torch.int32).add(1).view(torch.float32)  # past the sample
+    later_chunk = _as_bf16(torch.randn(2 * _NARROW_CHUNK + 3, generator=gen))  # checked a chunk at a time
+    later_chunk[_NARROW_CHUNK + 1] = later_chunk[_NARROW_CHUNK + 1].view(torch.int32).add(1).view(torch.float32)
     return {
+        "bfloat16-valued over several chunks": _as_bf16(torch.randn(2 * _NARROW_CHUNK + 3, generator=gen)),
+        "one low bit in a later chunk": later_chunk,
         "bfloat16-valued": _as_bf16(torch.randn(300, 7, generator=gen)),
         "float32-valued": wide,
         "one low bit at the end": one_low_bit,
@@ -62,6 +67,9 @@ def test_the_device_path_gives_what_narrowed_gives_on_the_host_copy() -> None:
     assert flags[id(cases["bfloat16-valued"])] and not flags[id(cases["float32-valued"])]
     assert not flags[id(cases["one low bit at the end"])] and flags[id(cases["non-contiguous bfloat16-valued"])]
     assert flags[id(cases["uniformly strided bfloat16-valued"])]
+    assert flags[id(cases["bfloat16-valued over several chunks"])] and not flags[id(cases["one low bit in a later chunk"])]
+    assert narrowed(cases["bfloat16-valued over several chunks"]).dtype == torch.bfloat16
+    assert narrowed(cases["one low bit in a later chunk"]) is cases["one low bit in a later chunk"]
     assert not narrowable(cases["empty"]) and not narrowable(cases["bfloat16"])
 
 
@@ -97,3 +105,24 @@ def test_host_gradients_are_narrowed_and_device_ones_left_to_the_stage() -> None
     assert g0.dtype == torch.bfloat16 and torch.equal(g0.float(), exact) and none is None
     assert g1 is wide and g2 is on_device
     assert record["events"][1]["payloads"][0][0] is exact and record["buffers"]["bn"] is buffer
+
+
+def test_the_host_stage_narrows_into_its_pool_record_after_record() -> None:
+    """Host copies come from the stage's pool and go back with the record's other buffers, so the
+    next record's narrowing writes into the same memory; what was narrowed is unchanged."""
+    stage = HostStage(pinned_bytes=64 << 20)
+    cases = _cases()
+    g = cases["bfloat16-valued over several chunks"]
+    kept = cases["one low bit in a later chunk"]
+    first = {"events": [{"grads": [[g, kept, None]]}]}
+    assert stage.narrow(first) == []  # host gradients: nothing left for the device path
+    narrowed_g, same = first["events"][0]["grads"][0][:2]
+    assert narrowed_g.dtype == torch.bfloat16 and same is kept
+    assert torch.equal(narrowed_g.to(torch.float32).view(torch.int32), g.view(torch.int32))
+    lent = {buf.untyped_storage().data_ptr() for buf in stage._narrowed}  # kept's too: it was copied up to its low bit
+    assert narrowed_g.untyped_storage().data_ptr() in lent and len(lent) == 2
+    stage.release([])
+    second = {"events": [{"grads": [[g.clone()]]}]}
+    stage.narrow(second)
+    assert second["events"][0]["grads"][0][0].untyped_storage().data_ptr() in lent
+    stage.release([])

@@ -365,7 +365,9 @@ def test_a_temporary_spool_is_copied_to_a_local_root_with_the_usual_permissions(
     os.umask(umask)
     assert stat.S_IMODE(os.stat(tmp_path / "run" / FINAL).st_mode) == 0o666 & ~umask
     assert os.path.exists(spool.path) and storage.read(FINAL) == b"bytes"
-    spool.discard()
+    spool.discard()  # kept for the next spool to write over (KEEP_FREE), until its writer ends
+    assert [n.endswith("-free.tmp") for n in os.listdir(private_tmpdir / USER / SPOOL_FOLDER)] == [True]
+    spool_module.release_free_spools()
     assert os.listdir(private_tmpdir / USER / SPOOL_FOLDER) == []
 
 
@@ -429,6 +431,7 @@ def test_memory_root_commits_small_and_streamed_spools(memory_url: str, private_
     spool.discard()
     assert watched.largest == MiB  # streamed a part at a time, never read whole
     assert storage.read("diffs/small.seg") == small and storage.read(FINAL) == big
+    spool_module.release_free_spools()  # the big spool wrote over the small one's file, kept since
     assert os.listdir(private_tmpdir / USER / SPOOL_FOLDER) == []
 
 
@@ -592,3 +595,51 @@ def test_a_temporary_spool_that_cannot_be_created_says_where(private_tmpdir: Pat
     (private_tmpdir / USER / SPOOL_FOLDER).write_bytes(b"a file where the folder should be")
     with pytest.raises(StorageError, match=f"spool file {re.escape(str(private_tmpdir / USER / SPOOL_FOLDER))}"):
         spool_module.temporary_spool(HINT)
+
+
+# ------------------------------------------------------------------------------- reuse of discarded spools
+def test_the_next_temporary_spool_writes_over_a_discarded_ones_file(tmp_path: Path) -> None:
+    """Its pages are not allocated again (spool.KEEP_FREE); the bytes before are not read as its own,
+    and the discarded spool's object, discarded again, leaves the new one alone."""
+    folder = str(tmp_path / "tier")
+    first = temporary_spool(HINT, folder)
+    first.append([payload(5000)])
+    inode = os.stat(first.path).st_ino
+    first.discard()
+    assert not os.path.exists(first.path)
+    assert [re.fullmatch(rf"{os.getpid()}-[0-9a-f]{{8}}-free\.tmp", n) is not None for n in os.listdir(folder)] == [True]
+    second = temporary_spool(HINT, folder)
+    assert os.stat(second.path).st_ino == inode and second.size == 0 and second.path != first.path
+    assert second.append([b"ab", b"cd"]) == 0 and second.append([b"ef"]) == 4
+    first.discard()  # again: it no longer holds the file
+    assert b"".join(second.chunks()) == b"abcdef" and second.read_at(2, 4) == b"cdef"
+    with pytest.raises(ValueError):
+        second.read_at(4, 3)  # what the first one wrote past the second's end is not the second's
+    elsewhere = temporary_spool(HINT, str(tmp_path / "other"))  # another folder: a file of its own
+    assert os.stat(elsewhere.path).st_ino != inode
+    for spool in (second, elsewhere):
+        spool.discard()
+    spool_module.release_free_spools()
+    assert os.listdir(folder) == [] and os.listdir(tmp_path / "other") == []
+
+
+def test_discarded_spools_are_kept_within_bounds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = str(tmp_path / "tier")
+    spools = [temporary_spool(HINT, folder) for _ in range(spool_module.KEEP_FREE + 2)]
+    for spool in spools:
+        spool.append([b"x" * 100])
+    empty = temporary_spool(HINT, folder)
+    empty.discard()  # nothing to reuse
+    for spool in spools:
+        spool.discard()
+    assert len(os.listdir(folder)) == spool_module.KEEP_FREE  # the rest removed
+    spool_module.release_free_spools(folder)
+    monkeypatch.setattr(spool_module, "free_bytes", lambda path: 399)  # less than 4 times its size
+    tight = temporary_spool(HINT, folder)
+    tight.append([b"x" * 100])
+    tight.discard()
+    assert os.listdir(folder) == []
+    beside = Spool(str(tmp_path / "beside.tmp"))  # a spool beside its object (a rename commits it) is not kept
+    beside.append([b"x"])
+    beside.discard()
+    assert not os.path.exists(tmp_path / "beside.tmp") and spool_module._free.get(str(tmp_path), []) == []
