@@ -98,8 +98,10 @@ def _kill_and_resume(config: str, tmp_path: Path, reference, kill_at: int | None
 
 
 # bf16 kill -9 and restore("last") also runs in make gpu-check's dry run (tests/test_gpu_check.py).
-# stateful in make soak: the stateful loader resumes exactly at and after an epoch's end below.
-@pytest.mark.parametrize("config", ["accum_clip", pytest.param("bf16", marks=pytest.mark.slow), "ddp",
+# stateful in make soak: the stateful loader resumes exactly at and after an epoch's end below;
+# ddp too: ddp_auto (below) is the same DDP loop with its settings on "auto", killed and resumed.
+@pytest.mark.parametrize("config", ["accum_clip", pytest.param("bf16", marks=pytest.mark.slow),
+                                    pytest.param("ddp", marks=pytest.mark.slow),
                                     pytest.param("stateful", marks=pytest.mark.slow)])
 def test_kill9_then_restore_last_is_bitwise_identical(config, reference, tmp_path):
     kill_at, resumed_from, _ = _kill_and_resume(config, tmp_path, reference)

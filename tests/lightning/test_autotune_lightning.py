@@ -98,6 +98,7 @@ def test_auto_on_local_disk_kill9_resume_is_exact(tmp_path, reference80):
                      buf.getvalue()), buf.getvalue()
 
 
+@pytest.mark.slow  # make soak: the tuner's choices by measured bandwidth are tested in tests/core; "auto" is killed and resumed below
 def test_auto_on_slow_s3_batches_more_than_on_local_disk_and_restores(tmp_path, s3_bucket, s3_via_proxy,
                                                                        fault_proxy, reference80):
     local = str(tmp_path / "local")

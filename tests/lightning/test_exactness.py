@@ -35,8 +35,10 @@ def _first_step(log: str) -> int:
     return next(int(line.split()[1]) for line in log.splitlines() if line.startswith("STEP "))
 
 
-# adamw in make soak: adamw_bf16 is the same loop with 16-bit gradients.
-@pytest.mark.parametrize("config", [pytest.param(c, marks=pytest.mark.slow) if c == "adamw" else c for c in sorted(STEPS)])
+# make soak: adamw (adamw_bf16 is the same loop with 16-bit gradients) and scaler_skip (skipped AMP
+# steps are killed and resumed under Accelerate's loop and with a codec under Lightning).
+@pytest.mark.parametrize("config", [pytest.param(c, marks=pytest.mark.slow) if c in ("adamw", "scaler_skip") else c
+                                    for c in sorted(STEPS)])
 def test_kill9_then_resume_last_is_bitwise_identical(config, reference, tmp_path):
     rng = random.Random(f"{SEED}-{config}")
     kill_at = rng.randrange(2, STEPS[config] - 2)
