@@ -270,7 +270,9 @@ def _reuse(folder: str, path: str) -> Spool | None:
         kept = _free.get(folder, [])
         while kept:
             free, file, pid = kept.pop()
-            if pid != os.getpid():  # a forked child's copy of its parent's: the parent's file
+            if pid != os.getpid():  # a forked child's copy of its parent's: the parent's file,
+                with contextlib.suppress(OSError):  # whose lock this copy must not keep alive
+                    file.close()
                 continue
             try:
                 os.rename(free, path)
@@ -299,6 +301,9 @@ def release_free_spools(folder: str | None = None) -> None:
             for free, file, pid in _free.pop(where, []):
                 if pid == os.getpid():
                     _drop(free, file)
+                else:  # a forked child's copy: the parent's file stays
+                    with contextlib.suppress(OSError):
+                        file.close()
 
 
 def temporary_spool(hint: str, folder: str | None = None) -> Spool:

@@ -643,3 +643,29 @@ def test_discarded_spools_are_kept_within_bounds(tmp_path: Path, monkeypatch: py
     beside.append([b"x"])
     beside.discard()
     assert not os.path.exists(tmp_path / "beside.tmp") and spool_module._free.get(str(tmp_path), []) == []
+
+
+def test_a_forked_child_does_not_take_its_parents_kept_spool(tmp_path: Path) -> None:
+    folder = str(tmp_path / "tier")
+    spool = temporary_spool(HINT, folder)
+    spool.append([b"parent's"])
+    spool.discard()
+    (kept,) = os.listdir(folder)
+    inode = os.stat(os.path.join(folder, kept)).st_ino
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: a spool of its own, the parent's kept file untouched
+        try:
+            mine = temporary_spool(HINT, folder)
+            fresh = os.stat(mine.path).st_ino != os.stat(os.path.join(folder, kept)).st_ino
+            spool_module.release_free_spools()
+            os.write(write, b"ok" if fresh and os.path.exists(os.path.join(folder, kept)) else b"no")
+        finally:
+            os._exit(0)
+    os.close(write)
+    assert os.read(read, 2) == b"ok"
+    os.waitpid(pid, 0)
+    again = temporary_spool(HINT, folder)  # still the parent's to reuse
+    assert os.stat(again.path).st_ino == inode and kept not in os.listdir(folder)
+    again.discard()
+    spool_module.release_free_spools()
