@@ -311,6 +311,43 @@ def writer_figures(writer: Any) -> dict[str, Any]:
     return {k: v for k, v in dataclasses.asdict(stats).items() if isinstance(v, (int, float))}
 
 
+_LAUNCH = None  # (source, output) of the small op each emulated kernel launch is
+
+
+def launch(n: int) -> None:
+    """``n`` small torch ops from Python: what a GPU loop's training thread does while the device
+    computes (each call drops and takes back the GIL, as a kernel launch does)."""
+    global _LAUNCH
+    import torch
+
+    if _LAUNCH is None:
+        _LAUNCH = (torch.ones(8), torch.empty(8))
+    x, y = _LAUNCH
+    for _ in range(n):
+        torch.add(x, 1, out=y)
+
+
+def calibrate_launches(seconds: float) -> int:
+    """How many :func:`launch` ops take ``seconds`` on this machine before anything else runs."""
+    if seconds <= 0:
+        return 0
+    launch(2000)
+    began = time.perf_counter()
+    launch(20000)
+    return max(1, round(20000 * seconds / (time.perf_counter() - began)))
+
+
+def device_time(seconds: float, launches: int) -> None:
+    """The device's time of a step: ``launches`` ops issued from Python first (``--launch-ms``;
+    they take longer when other threads hold the GIL), then idle until ``seconds`` from the start,
+    as a GPU runs the step while its kernels are being launched."""
+    began = time.perf_counter()
+    launch(launches)
+    left = seconds - (time.perf_counter() - began)
+    if left > 0:
+        time.sleep(left)
+
+
 def child(spec: dict[str, Any]) -> dict[str, Any]:
     """One run (``spec["mode"]``: ``timed``, ``kill`` (prints STEP lines to be killed at),
     ``resume`` or ``reference``); returns its figures, saves the final state to ``spec["final"]``."""
@@ -333,6 +370,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         engine.begin(model, [opt], start, source)
     print(f"START {start}", flush=True)
     last, warmup, pause = spec["last"], spec["warmup"], spec["device_ms"] / 1000
+    launches = calibrate_launches(spec.get("launch_ms", 0.0) / 1000)
     committed: dict[int, float] = {0: time.perf_counter()}
     t0, cpu0 = time.perf_counter(), thread_cpu()
     stated = False
@@ -353,7 +391,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
             if bound is not None and not stated:  # what the run said each failure loses, once
                 print(f"BOUND crash {bound.crash_steps} node {bound.node_steps}: {bound.text}", flush=True)
                 stated = True
-        time.sleep(pause)
+        device_time(pause, launches)
     t_loop, cpu1 = time.perf_counter(), thread_cpu()
     out: dict[str, Any] = {"start": start, "last": last, "imported_diffckpt": "diffckpt" in sys.modules}
     # CPU each thread spent a timed step (threads that ended inside the loop are not counted)
@@ -413,7 +451,7 @@ def result_of(rc: int | None, log: str, what: str) -> dict[str, Any]:
 
 def base_spec(args: argparse.Namespace, grads: str) -> dict[str, Any]:
     return {"grads": grads, "threads": args.threads, "mbps": args.mbps if args.storage == "paced" else None,
-            "warmup": args.warmup, "malloc_cache": args.malloc_cache,
+            "warmup": args.warmup, "malloc_cache": args.malloc_cache, "launch_ms": args.launch_ms,
             "momentum": args.momentum if args.momentum is not None else (0.9 if args.kill else 0.0)}
 
 
@@ -612,6 +650,9 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=1, help="sequences per gradient batch (default 1)")
     ap.add_argument("--grad-sets", type=int, default=4, help="distinct gradient sets, cycled (default 4)")
     ap.add_argument("--device-ms", default="150,60", help="emulated device times per step, ms (default 150,60)")
+    ap.add_argument("--launch-ms", type=float, default=0.0,
+                    help="of each step's device time, ms the training thread spends launching small ops from "
+                    "Python, as a GPU loop launches kernels (default 0: all of it idle)")
     ap.add_argument("--steps", type=int, default=40, help="timed steps (default 40)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     ap.add_argument("--rounds", type=int, default=1)

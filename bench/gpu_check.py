@@ -92,6 +92,7 @@ class Settings:
     deadline: float  # time.monotonic() by which everything must end
     env: dict[str, str]
     plan: list[str] = field(default_factory=list)  # the parts to run, in order
+    configs: list[str] = field(default_factory=list)  # the overhead part's configurations
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -408,6 +409,7 @@ def overhead(s: Settings, part: Part) -> None:
     errors: dict[str, str] = {}
     # a configuration of options this checkout lacks (durability="every_step" before it lands)
     skipped = {c: why for c in CONFIGS if (why := options_missing(c))}
+    skipped.update({c: "left out by --configs" for c in CONFIGS if c not in s.configs and c not in skipped})
     configs = [c for c in CONFIGS if c not in skipped]
     batch = "4" if s.dry else "auto"
     for i, config in enumerate(configs):  # "none" first: it picks the batch the others use
@@ -576,6 +578,18 @@ def report(parts: list[Part], info: dict[str, Any]) -> str:
                              f"{dash(r['local_lag_s'], '.2f')} | {dash(w.get('stall_seconds'), '.2f')} | "
                              f"{dash(w.get('write_seconds'), '.2f')} | {size(w.get('segment_bytes'))} | "
                              f"{size(w.get('base_bytes'))} |")
+            lines += ["", "Where a record's time went on the writer thread (ms a record: staging to the host, waiting "
+                      "for the device's step included; appending to its spool with hashing), the timed steps' times "
+                      "(median and slowest) and the CPU each thread used a step:", "",
+                      "| configuration | stage ms | append ms | step ms median | slowest | CPU ms a step by thread |",
+                      "|---|---:|---:|---:|---:|---|"]
+            for c, r in ov.details["runs"].items():
+                w, steps = r.get("writer", {}), sorted(r.get("step_ms") or [0.0])
+                per = max(1, w.get("records", 0))
+                lines.append(f"| {c} | {dash(w.get('stage_seconds', None) and 1000 * w['stage_seconds'] / per, '.0f')} | "
+                             f"{dash(w.get('append_seconds', None) and 1000 * w['append_seconds'] / per, '.0f')} | "
+                             f"{steps[len(steps) // 2]:.0f} | {steps[-1]:.0f} | "
+                             + ", ".join(f"{k} {v:g}" for k, v in sorted(r.get("cpu_ms_per_step", {}).items())) + " |")
     rs = by.get("restore")
     if rs and rs.details.get("diffckpt"):
         lines += ["", "## Restore", "", "| | seconds | steps | peak RSS | device peak | exact |", "|---|---:|---:|---:|---:|---|"]
@@ -620,6 +634,8 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "bench", "results", "gpu-check"))
     ap.add_argument("--budget", type=float, default=480.0, help="seconds for all parts (default 480)")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"a comma-separated subset of {','.join(PARTS)}")
+    ap.add_argument("--configs", default=None, help="the overhead part's configurations, comma-separated (default: "
+                    "all; 'none' is the baseline and always runs)")
     ap.add_argument("--workdir", help="where the runs write (default: a temporary folder, removed)")
     ap.add_argument("--wheels", default=WHEELS, help="wheels to install what this Python lacks")
     ap.add_argument("--fetch-wheels", action="store_true", help="download those wheels (needs network) and stop")
@@ -645,7 +661,13 @@ def main() -> int:
     workdir = args.workdir or tempfile.mkdtemp(prefix="diffckpt-gpu-check-")
     os.makedirs(workdir, exist_ok=True)
     parts = [Part(name) for name in PARTS if name in args.parts.split(",")]
-    s = Settings("cpu" if args.dry else "cuda", args.dry, workdir, began + args.budget, env, [p.name for p in parts])
+    from gpu_scale import CONFIGS
+
+    configs = CONFIGS if args.configs is None else ["none", *(c for c in args.configs.split(",") if c != "none")]
+    if set(configs) - set(CONFIGS):
+        ap.error(f"unknown configurations: {', '.join(sorted(set(configs) - set(CONFIGS)))}")
+    s = Settings("cpu" if args.dry else "cuda", args.dry, workdir, began + args.budget, env, [p.name for p in parts],
+                 list(configs))
     info = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit(), "dry": args.dry,
             "seconds": 0.0, "setup": installed}
     os.makedirs(args.out, exist_ok=True)

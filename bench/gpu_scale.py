@@ -190,7 +190,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             sync(args.device)
             if args.device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), thread_cpu()
         step(next(data))
         if engine is not None:
             engine.commit(n, source)
@@ -201,7 +201,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             last = n  # too slow to finish in its time: timed over the steps it made
             break
     sync(args.device)
-    t_loop = time.perf_counter()
+    t_loop, cpu1 = time.perf_counter(), thread_cpu()
     durable_at_loop_end = engine.durable_step if engine is not None else None
     tiers = tiers_at(engine, last, t_loop, committed) if engine is not None else {}
     if engine is not None:
@@ -221,8 +221,19 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "device_peak": torch.cuda.max_memory_allocated() if args.device == "cuda" else None,
         "bytes_written": written, "bytes_per_step": written / last,
         "not_durable_at_loop_end": None if engine is None else last - (durable_at_loop_end or 0),
+        # each timed step's time as the loop saw it (the device's queue evens them out), and the CPU
+        # each thread spent a timed step: where a slow step's time went
+        "step_ms": [round(1000 * (committed[n] - committed[n - 1]), 1) for n in range(args.warmup + 2, last + 1)],
+        "cpu_ms_per_step": {k: round(1000 * (v - cpu0.get(k, 0.0)) / timed, 1) for k, v in cpu1.items()
+                            if v - cpu0.get(k, 0.0) > 0},
         **tiers,
     }
+
+
+def thread_cpu() -> dict[str, float]:
+    from fast_steps import thread_cpu as cpu  # one definition, in the CPU emulation's script
+
+    return cpu()
 
 
 def tiers_at(engine: Any, last: int, now: float, committed: dict[int, float]) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from .outage import Outage
 from .units import format_bytes
 
 if TYPE_CHECKING:
-    from .writer import WriterStats
+    from .writerstats import WriterStats
 
 __all__ = ["HandOff"]
 

@@ -20,7 +20,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,33 +43,11 @@ from .storage import Storage
 from .storage.retry import RetryingStorage
 from .storage.spool import release_free_spools
 from .tuning.meter import Meter
+from .writerstats import WriterStats
 
 __all__ = ["BackgroundWriter", "WriterStats"]
 
 log = logging.getLogger("diffckpt")
-
-
-@dataclass
-class WriterStats:
-    """Counters for reports and benchmarks."""
-
-    records: int = 0
-    segments: int = 0
-    bases: int = 0
-    segment_bytes: int = 0
-    base_bytes: int = 0
-    raw_record_bytes: int = 0
-    stall_seconds: float = 0.0
-    write_seconds: float = 0.0
-    outages: int = 0
-    outage_seconds: float = 0.0
-    peak_held_bytes: int = 0  # the most bytes the writer held at once (queued or being encoded)
-
-    @property
-    def durable_bps(self) -> float | None:
-        """The run root's measured write rate: bytes written over the time their writes took."""
-        written = self.base_bytes + self.segment_bytes
-        return written / self.write_seconds if written and self.write_seconds > 0 else None
 
 
 class BackgroundWriter:
@@ -291,7 +268,9 @@ class BackgroundWriter:
             raise DiffCkptError("the checkpoint writer is closed; create a new one to write more")
         behind = kind == "record" and self.journal is not None  # waits for the record before it
         if self.before_wait is not None and self._handoff.must_wait(nbytes, behind):
+            began = time.monotonic()  # ending leases may wait for the writer's read: a stall too
             self.before_wait(item[1] if kind == "record" else [])
+            self.stats.stall_seconds += time.monotonic() - began
         self._handoff.put(kind, item, nbytes, behind)
         self._raise_if_failed()
 
@@ -342,7 +321,9 @@ class BackgroundWriter:
                 self._encode(record, ([ready] if ready is not None else []) + [e for x in leases for e in x.ready])
                 for event in record["events"]:  # written: no reference of this thread's to count
                     event.pop("grads", None)
+            began = time.monotonic()
             self._open.journal_last(leases, self._abandon)
+            self.stats.lease_wait_seconds += time.monotonic() - began
             if self.meter is not None:  # what a state adds
                 self.meter.add_encoded(self._open.encoder.entries[-1]["raw_length"], restorable)
             self.journaled_step = step if self.journal is not None else None
@@ -357,13 +338,17 @@ class BackgroundWriter:
     def _encode(self, record: dict[str, Any], events: list[Any]) -> None:
         """Narrow, stage and add ``record`` to the open segment, not journaled yet."""
         assert self._open is not None
+        began = time.monotonic()
         narrow = self.stage.narrow(record) if self.narrow_grads else ()
         record, staged = self.stage.to_host(record, events, narrow)
         self._last_buffers = prepare_record(record, self._last_buffers, bool(staged))
+        staged_at = time.monotonic()
+        self.stats.stage_seconds += staged_at - began
         try:
             self._open.add(record, journal=False)  # a full disk: a StorageError naming the folder
         finally:
             self.stage.release(staged)
+            self.stats.append_seconds += time.monotonic() - staged_at
 
     def _write_segment(self, wait: bool = True) -> None:
         """Commit the open segment's records up to the newest restorable one; the rest stay open.

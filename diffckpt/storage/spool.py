@@ -14,14 +14,12 @@ a reader which of the two it gets, so that it can read whole objects instead of 
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import errno
 import inspect
 import os
 import re
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -29,7 +27,9 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from ..errors import StorageError
-from .nodelocal import free_bytes, lock, locked, open_private, private_folder, user_folder
+from .freespools import KEEP_FREE, keep, release_free_spools, take
+from .nodelocal import lock, locked, open_private, private_folder, user_folder
+from .spoolmap import AHEAD, MAP_MIN, MAPPABLE, FileMap
 from .spoolwrite import target_of, views_of, write_at
 
 if TYPE_CHECKING:  # protocol.py imports this module (Data includes Spool): no import back at run time
@@ -47,24 +47,6 @@ them (object stores, a caller's storage without ``spool``)."""
 def spool_folder() -> str:
     """Where :func:`temporary_spool` puts spools: ``<TMPDIR>/diffckpt-<uid>/spool``."""
     return os.path.join(user_folder(tempfile.gettempdir()), SPOOL_FOLDER)
-
-
-KEEP_FREE = 2
-"""Discarded temporary spools a process keeps per folder for its next ones to write into.
-
-A spool in ``/dev/shm`` or the temporary folder is a new file for each segment, and a new file's
-pages are allocated and zeroed by the kernel as it is written: on the 2-core VM, 91 MB written
-into a new ``/dev/shm`` file took 68 ms of CPU, into the pages of an existing one 24 ms. The
-node-local tier writes every record so, so a discarded spool (its segment committed or dropped)
-is renamed and kept, open and locked, and the next spool in that folder takes it over and writes
-over its pages. Two, because a segment's spool is discarded when its commit ends, usually after
-the next segment's spool was opened; only while the folder's file system keeps four times the
-spool's size free (:func:`_keep`), and removed when its writer ends (:func:`release_free_spools`),
-at the process's exit, or by the next sweep once the process is gone (a ``.tmp`` no journal names)."""
-
-_free: dict[str, list[tuple[str, Any, int]]] = {}  # folder -> (path, open file, pid) of the kept spools
-_free_lock = threading.Lock()
-_exit_hooked = False
 
 
 PROBE = 1 << 20
@@ -97,6 +79,7 @@ class Spool:
         self.temporary = temporary
         self.anonymous = _fd is not None
         self._file: Any = None
+        self._map: FileMap | None = None  # the file's pages mapped, once an append went that way
         if _fd is None:
             # Exclusive create, no link followed: two writers never share a spool, and nothing
             # planted at the name is written through. Temporary spools are owner-only.
@@ -130,12 +113,26 @@ class Spool:
         start. If writing fails, the spool is as it was before (the partial write is cut off).
 
         A large append may go out from several threads at once (``spoolwrite.py``: where its file
-        system measured faster that way); each append's time is measured for :meth:`write_rate`."""
+        system measured faster that way), or, into the pages a kept spool's file has, be copied
+        into its mapping (``spoolmap.py``); each append's time is measured for :meth:`write_rate`."""
         start = self.size
         views = views_of(parts)
         size = sum(v.nbytes for v in views)
-        workers = self._target.workers(size)
+        if self._map is None and size >= MAP_MIN and MAPPABLE and self.temporary and not self.anonymous:
+            self._map = FileMap(self._file.fileno())
+        mapped = self._map is not None and size >= MAP_MIN and self._map.covers(start, size)
+        workers = 1 if mapped else self._target.workers(size)
         began = time.perf_counter()
+        if mapped:
+            assert self._map is not None
+            try:
+                self.size += self._map.write(views, start)
+                self._target.note(size, time.perf_counter() - began, 0)  # neither way of writing
+                self._map.reserve(self.size + AHEAD * size)
+                return start
+            except OSError:  # no mapping (address space, a limit): written instead, over what was copied
+                self._map.close()
+                self._map = None
         try:
             self.size += write_at(self._file.fileno(), views, start, workers)
         except OSError as exc:
@@ -144,6 +141,10 @@ class Spool:
                 self.truncate(start)
             raise _failed("append to", self, exc) from exc
         self._target.note(size, time.perf_counter() - began, workers)
+        if self._map is not None:
+            self._map.grown(self.size)
+            if size >= MAP_MIN:  # the pages of the next ones, beside training
+                self._map.reserve(self.size + AHEAD * size)
         return start
 
     def write_rate(self) -> float | None:
@@ -180,8 +181,12 @@ class Spool:
         """Keep only the first ``size`` bytes; the next append starts there."""
         if not 0 <= size <= self.size:
             raise ValueError(f"cannot truncate {self!r} to {size} bytes")
+        if self._map is not None:
+            self._map.settle()  # no pages allocated and mapped past the cut while it is made
         os.ftruncate(self._file.fileno(), size)  # appends write at `size`, not at the file's position
         self.size = size
+        if self._map is not None:
+            self._map.cut(size)
 
     def chunks(self, size: int = 8 << 20) -> Iterator[bytes]:
         """The content, in order, ``size`` bytes at a time (the last chunk may be shorter)."""
@@ -196,10 +201,15 @@ class Spool:
 
     def sync(self) -> None:
         """Make what was appended durable (``fsync``), before the file is renamed to an object."""
+        if self._map is not None:
+            self._map.flush()
         os.fsync(self._file.fileno())
 
     def close(self) -> None:
         """Close the file and keep it: a journal names it, for a resume on this node."""
+        if self._map is not None:
+            self._map.close()
+            self._map = None
         if self._file is not None:
             self._file.close()
 
@@ -209,9 +219,12 @@ class Spool:
         into (:data:`KEEP_FREE`): this object lets go of it either way."""
         if self._file is None:  # handed to a later spool already
             return
-        if self.temporary and not self.anonymous and not self._file.closed and _keep(self.path, self._file):
-            self._file = None
+        if self.temporary and not self.anonymous and not self._file.closed and keep(self.path, self._file, self._map):
+            self._file = self._map = None
             return
+        if self._map is not None:
+            self._map.close()
+            self._map = None
         self._file.close()
         if not self.anonymous:  # a file in memory goes with its close
             with contextlib.suppress(FileNotFoundError):
@@ -240,72 +253,6 @@ def _failed(action: str, spool: Spool | str, exc: OSError) -> StorageError:
     return StorageError(f"cannot {action} the spool file {path}: {exc}{hint}")
 
 
-def _keep(path: str, file: Any) -> bool:
-    """Keep a discarded temporary spool's open ``file`` for the next spool in its folder, renamed
-    as a spool no journal names; ``False`` where it is not kept (the caller removes it)."""
-    global _exit_hooked
-    folder = os.path.dirname(path)
-    try:
-        size = os.fstat(file.fileno()).st_size
-        if size == 0 or free_bytes(folder) < 4 * size:  # nothing to reuse, or room that others need
-            return False
-        with _free_lock:
-            kept = _free.setdefault(folder, [])
-            if len(kept) >= KEEP_FREE:
-                return False
-            free = os.path.join(folder, f"{os.getpid()}-{uuid.uuid4().hex[:8]}-free.tmp")
-            os.rename(path, free)
-            kept.append((free, file, os.getpid()))
-            if not _exit_hooked:
-                atexit.register(release_free_spools)
-                _exit_hooked = True
-        return True
-    except OSError:
-        return False
-
-
-def _reuse(folder: str, path: str) -> Spool | None:
-    """A kept spool of this process in ``folder``, renamed to ``path`` and emptied, or ``None``."""
-    with _free_lock:
-        kept = _free.get(folder, [])
-        while kept:
-            free, file, pid = kept.pop()
-            if pid != os.getpid():  # a forked child's copy of its parent's: the parent's file,
-                with contextlib.suppress(OSError):  # whose lock this copy must not keep alive
-                    file.close()
-                continue
-            try:
-                os.rename(free, path)
-            except OSError:
-                _drop(free, file)
-                continue
-            spool = Spool.__new__(Spool)
-            spool.path, spool.size, spool.temporary, spool.anonymous = path, 0, True, False
-            spool._file, spool._target = file, target_of(file.fileno())
-            return spool
-    return None
-
-
-def _drop(path: str, file: Any) -> None:
-    with contextlib.suppress(OSError):
-        file.close()
-    with contextlib.suppress(OSError):
-        os.unlink(path)
-
-
-def release_free_spools(folder: str | None = None) -> None:
-    """Remove the discarded spools this process keeps for reuse (:data:`KEEP_FREE`) in
-    ``folder``, or in every folder: a writer that ends returns their memory."""
-    with _free_lock:
-        for where in [folder] if folder is not None else list(_free):
-            for free, file, pid in _free.pop(where, []):
-                if pid == os.getpid():
-                    _drop(free, file)
-                else:  # a forked child's copy: the parent's file stays
-                    with contextlib.suppress(OSError):
-                        file.close()
-
-
 def temporary_spool(hint: str, folder: str | None = None) -> Spool:
     """A spool in this user's spool folder of the system temporary folder (:func:`spool_folder`),
     for an object that will be written at a path like ``hint``.
@@ -326,7 +273,13 @@ def temporary_spool(hint: str, folder: str | None = None) -> Spool:
             remove_dead_spools(folder)
         else:
             private_folder(folder)
-        return _reuse(folder, path) or Spool(path, temporary=True)
+        kept = take(folder, path)
+        if kept is None:
+            return Spool(path, temporary=True)
+        spool = Spool.__new__(Spool)
+        spool.path, spool.size, spool.temporary, spool.anonymous = path, 0, True, False
+        spool._file, spool._target, spool._map = kept[0], target_of(kept[0].fileno()), kept[1]
+        return spool
     except StorageError as exc:
         raise StorageError(f"cannot create the spool file {path}: {exc}") from exc
     except OSError as exc:

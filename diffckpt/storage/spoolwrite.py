@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # protocol.py imports spool.py, which imports this module
     from .protocol import Buffer
 
-__all__ = ["CHUNK", "PARALLEL_MIN", "RETRIAL", "TRIALS", "WRITERS", "Target", "helpers", "target_of", "views_of", "write_at"]
+__all__ = ["CHUNK", "PARALLEL_MIN", "RETRIAL", "TRIALS", "WRITERS", "Target", "helpers", "pieces", "target_of",
+           "views_of", "write_at"]
 
 PARALLEL_MIN = 64 << 20
 """Appends at least this large may go out from several threads; smaller ones always go from the
@@ -136,7 +137,7 @@ class Target:
         with self._lock:
             if size >= RATED_MIN:
                 self._all.note(size, seconds)
-            if size >= PARALLEL_MIN and workers in self._ways:
+            if size >= PARALLEL_MIN and workers in self._ways:  # (a copy into a mapping is in neither)
                 self._ways[workers].note(size, seconds)
 
 
@@ -166,12 +167,12 @@ def write_at(fd: int, views: list[memoryview], offset: int, workers: int = 1) ->
     """
     if workers == 1:
         return _write_all(fd, views, offset)
-    jobs = [helpers().submit(_write_all, fd, piece, start) for piece, start in _pieces(views, offset)]
+    jobs = [helpers().submit(_write_all, fd, piece, start) for piece, start in pieces(views, offset)]
     futures.wait(jobs)
     return sum(job.result() for job in jobs)  # the first failure raises, once none is running
 
 
-def _pieces(views: list[memoryview], offset: int) -> list[tuple[list[memoryview], int]]:
+def pieces(views: list[memoryview], offset: int) -> list[tuple[list[memoryview], int]]:
     """``views`` cut into runs of :data:`CHUNK` bytes (the last shorter), each with its offset."""
     pieces: list[tuple[list[memoryview], int]] = []
     run: list[memoryview] = []

@@ -6,6 +6,7 @@ what a killed writer leaves behind and who removes it."""
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import random
 import re
@@ -35,10 +36,12 @@ from diffckpt.storage import (
     Spool,
     as_bytes,
     data_size,
+    freespools,
     open_spool,
     open_storage,
     ranged,
     read_range,
+    spoolmap,
     spoolwrite,
 )
 from diffckpt.storage import fsspec_storage as fsspec_module
@@ -634,7 +637,7 @@ def test_discarded_spools_are_kept_within_bounds(tmp_path: Path, monkeypatch: py
         spool.discard()
     assert len(os.listdir(folder)) == spool_module.KEEP_FREE  # the rest removed
     spool_module.release_free_spools(folder)
-    monkeypatch.setattr(spool_module, "free_bytes", lambda path: 399)  # less than 4 times its size
+    monkeypatch.setattr(freespools, "free_bytes", lambda path: 399)  # less than 4 times its size
     tight = temporary_spool(HINT, folder)
     tight.append([b"x" * 100])
     tight.discard()
@@ -642,7 +645,7 @@ def test_discarded_spools_are_kept_within_bounds(tmp_path: Path, monkeypatch: py
     beside = Spool(str(tmp_path / "beside.tmp"))  # a spool beside its object (a rename commits it) is not kept
     beside.append([b"x"])
     beside.discard()
-    assert not os.path.exists(tmp_path / "beside.tmp") and spool_module._free.get(str(tmp_path), []) == []
+    assert not os.path.exists(tmp_path / "beside.tmp") and freespools._free.get(str(tmp_path), []) == []
 
 
 def test_a_forked_child_does_not_take_its_parents_kept_spool(tmp_path: Path) -> None:
@@ -668,4 +671,116 @@ def test_a_forked_child_does_not_take_its_parents_kept_spool(tmp_path: Path) -> 
     again = temporary_spool(HINT, folder)  # still the parent's to reuse
     assert os.stat(again.path).st_ino == inode and kept not in os.listdir(folder)
     again.discard()
+    spool_module.release_free_spools()
+
+
+# ------------------------------------------------------------------------------- appends into the mapping
+@pytest.fixture
+def mapped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Appends of any size may go into a mapping, in windows of two pages and pieces of one, so
+    that a few small appends cross windows and run on several threads."""
+    if not spoolmap.MAPPABLE:
+        pytest.skip("no MAP_POPULATE here")
+    monkeypatch.setattr(spoolmap, "WINDOW", 2 * mmap.PAGESIZE)
+    monkeypatch.setattr(spool_module, "MAP_MIN", 1)
+    monkeypatch.setattr(spool_module, "AHEAD", 2)  # what a machine with cores to spare does
+    monkeypatch.setattr(spoolmap, "AHEAD", 2)
+    monkeypatch.setattr(spoolwrite, "CHUNK", mmap.PAGESIZE)
+
+
+def written(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes of the appends that went to ``pwritev`` from now on."""
+    sizes: list[int] = []
+    real = spool_module.write_at
+
+    def counted(fd: int, views: list[memoryview], offset: int, workers: int = 1) -> int:
+        sizes.append(sum(v.nbytes for v in views))
+        return real(fd, views, offset, workers)
+
+    monkeypatch.setattr(spool_module, "write_at", counted)
+    return sizes
+
+
+def test_appends_into_pages_allocated_ahead_are_copied_into_the_mapping(
+        tmp_path: Path, mapped: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new file's first append is written; the pages of the next two of its size are allocated
+    and mapped beside it, and those appends are copies. A kept file's mapping goes along."""
+    folder, window = str(tmp_path / "tier"), spoolmap.WINDOW
+    sizes = written(monkeypatch)
+    spool = temporary_spool(HINT, folder)
+    expected = b""
+    for parts in ([payload(10000, seed=1)], [payload(5000, seed=2), b"", b"xyz"], [payload(12000, seed=3)],
+                  [payload(60000, seed=4)], [payload(9000, seed=5)]):
+        assert spool.append(parts) == len(expected)
+        expected += b"".join(parts)
+        assert spool._map is not None
+        spool._map.settle()
+        assert spool._map.allocated >= len(expected) + spoolmap.AHEAD * sum(map(len, parts)) > len(expected)
+        assert spool._map.allocated % window == 0 and os.stat(spool.path).st_size == spool._map.allocated
+    assert sizes == [10000, 60000]  # the first, and one larger than the pages allocated ahead
+    assert spool.read_at(0, spool.size) == expected == b"".join(spool.chunks())
+    spool.truncate(7)  # cut back (a failed record): the pages past it are gone, and written again
+    assert spool._map.allocated == 7 and spool.append([payload(40000, seed=9)]) == 7 and sizes[-1] == 40000
+    expected = expected[:7] + payload(40000, seed=9)
+    assert spool.read_at(0, spool.size) == expected
+    spool._map.settle()
+    spool.discard()
+    again = temporary_spool(HINT, folder)  # the same file and mapping: nothing written
+    again.append([b"abc", payload(100000, seed=3)])
+    assert again.read_at(0, again.size) == b"abc" + payload(100000, seed=3) and len(sizes) == 3
+    again.discard()
+    spool_module.release_free_spools()
+    assert os.listdir(folder) == []
+    beside = Spool(str(tmp_path / "beside.tmp"))  # not in diffckpt's own folders (renamed to its object): written
+    beside.append([payload(9000)])
+    assert beside._map is None and beside.read_at(0, 9000) == payload(9000) and sizes[-1] == 9000
+    beside.discard()
+
+
+def test_a_full_file_system_stops_the_allocation_ahead_and_fails_the_append_that_needs_pages(
+        tmp_path: Path, mapped: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No page is ever touched through the mapping that the file system did not allocate: a full
+    file system is an ENOSPC of the write that needs the pages (a SIGBUS would kill the process)."""
+    spool = temporary_spool(HINT, str(tmp_path / "tier"))
+    spool.append([payload(10000, seed=1)])
+    assert spool._map is not None
+    spool._map.settle()
+    ahead = spool._map.allocated
+
+    def full(fd: int, offset: int, size: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(spoolmap.os, "posix_fallocate", full)
+    real = spool_module.write_at
+
+    def no_room(fd: int, views: list[memoryview], offset: int, workers: int = 1) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    spool.append([payload(ahead - 10000, seed=2)])  # into the pages there: copied
+    spool._map.settle()
+    assert spool._map.allocated == ahead
+    monkeypatch.setattr(spool_module, "write_at", no_room)
+    with pytest.raises(StorageError, match="disk is full"):
+        spool.append([payload(5000, seed=3)])
+    assert spool.size == ahead and spool.read_at(0, ahead) == payload(10000, seed=1) + payload(ahead - 10000, seed=2)
+    monkeypatch.setattr(spool_module, "write_at", real)
+    spool.discard()
+    spool_module.release_free_spools()
+
+
+def test_a_mapping_that_fails_leaves_the_append_to_pwritev(
+        tmp_path: Path, mapped: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = str(tmp_path / "tier")
+    first = temporary_spool(HINT, folder)
+    first.append([payload(20000)])
+    first.discard()
+    spool = temporary_spool(HINT, folder)
+
+    def no_room(*args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(spoolmap.mmap, "mmap", no_room)
+    assert spool.append([payload(15000, seed=2)]) == 0
+    assert spool._map is None and spool.read_at(0, 15000) == payload(15000, seed=2)
+    spool.discard()
     spool_module.release_free_spools()
