@@ -1,9 +1,18 @@
-"""Discarded temporary spools kept open for the next spool in their folder to write over.
+"""Temporary spool files kept open for the next spool in their folder to write over.
 
 A spool's file in ``/dev/shm`` or the temporary folder is written once per segment; writing into
-the pages of a file that has them costs a third of writing a new one (:data:`KEEP_FREE`). So
-:class:`~diffckpt.storage.spool.Spool` hands its file here when it is discarded (:func:`keep`) and
-the next spool in the folder takes it (:func:`take`), with its mapping (``spoolmap.py``).
+the pages of a file that has them costs a third of writing a new one (:data:`KEEP_FREE`), and a
+copy into their mapping less still (``spoolmap.py``). So :class:`~diffckpt.storage.spool.Spool`
+hands its file here when it is discarded (:func:`keep`) and the next spool in the folder takes it
+(:func:`take`), with its mapping.
+
+A segment's spool is discarded only once its commit ends, and in ``durability="paced"`` a
+segment the run root is too slow for waits in the tier until a base supersedes it, so the next
+segments would mostly start new files. Where cores are spare (``spoolmap.SPARE_CORES``), each
+spool opened in a folder therefore has a helper thread allocate (``posix_fallocate``) and map a
+new file of the largest size a spool reached there (:func:`fill`), beside training: the next
+spool takes it, and its records are copies into pages that are there. A full file system stops
+that quietly (the spools then write their own pages, and fail as writes do).
 """
 
 from __future__ import annotations
@@ -15,10 +24,12 @@ import threading
 import uuid
 from typing import Any
 
-from .nodelocal import free_bytes
-from .spoolmap import FileMap
+from . import spoolmap
+from .nodelocal import free_bytes, lock, open_private
+from .spoolmap import MAP_MIN, FileMap
+from .spoolwrite import helpers
 
-__all__ = ["KEEP_FREE", "keep", "release_free_spools", "take"]
+__all__ = ["KEEP_FREE", "fill", "keep", "release_free_spools", "seen", "take"]
 
 KEEP_FREE = 2
 """Discarded temporary spools a process keeps per folder for its next ones to write into.
@@ -36,6 +47,65 @@ at the process's exit, or by the next sweep once the process is gone (a ``.tmp``
 _free: dict[str, list[tuple[str, Any, int, FileMap | None]]] = {}  # folder -> (path, open file, pid, mapping)
 _free_lock = threading.Lock()
 _exit_hooked = False
+_largest: dict[str, int] = {}  # folder -> the largest size a spool of this process reached there
+_filling: dict[str, int] = {}  # folder -> fills running
+_released: dict[str, int] = {}  # folder -> releases so far: a fill that ends after one drops its file
+
+
+def seen(folder: str, size: int) -> None:
+    """A spool in ``folder`` holds ``size`` bytes (the size :func:`fill` allocates)."""
+    with _free_lock:
+        if size > _largest.get(folder, 0):
+            _largest[folder] = size
+
+
+def fill(folder: str) -> None:
+    """Have a helper thread allocate and map a file for the next spool in ``folder``, of the
+    largest size a spool reached there, unless :data:`KEEP_FREE` files are kept or on their way,
+    no spool there reached :data:`~diffckpt.storage.spoolmap.MAP_MIN`, or no core is spare."""
+    if not (spoolmap.SPARE_CORES and spoolmap.MAPPABLE):
+        return
+    with _free_lock:
+        size = _largest.get(folder, 0)
+        if size < MAP_MIN or len(_free.get(folder, [])) + _filling.get(folder, 0) >= KEEP_FREE:
+            return
+        _filling[folder] = _filling.get(folder, 0) + 1
+        released = _released.get(folder, 0)
+    helpers().submit(_fill, folder, size, released)
+
+
+def _fill(folder: str, size: int, released: int) -> None:
+    global _exit_hooked
+    path = os.path.join(folder, f"{os.getpid()}-{uuid.uuid4().hex[:8]}-free.tmp")
+    file: Any = None
+    mapped: FileMap | None = None
+    try:
+        if free_bytes(folder) < 4 * size:  # room that others need (as keep() leaves)
+            return
+        fd = open_private(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        file = open(fd, "r+b", buffering=0)
+        lock(fd)  # held while kept: a sweep tells it from a dead process's
+        os.posix_fallocate(fd, 0, size)
+        mapped = FileMap(fd)
+        mapped.map_all()
+        with _free_lock:
+            kept = _free.setdefault(folder, [])
+            if _released.get(folder, 0) == released and len(kept) < KEEP_FREE:
+                kept.append((path, file, os.getpid(), mapped))
+                file = None
+                if not _exit_hooked:
+                    atexit.register(release_free_spools)
+                    _exit_hooked = True
+    except (OSError, ValueError):  # a full file system, a folder gone: the spools write their own pages
+        pass
+    finally:
+        if file is not None:
+            _drop(path, file, mapped)
+        elif mapped is None:  # never opened
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        with _free_lock:
+            _filling[folder] -= 1
 
 
 def keep(path: str, file: Any, mapped: FileMap | None) -> bool:
@@ -97,7 +167,8 @@ def release_free_spools(folder: str | None = None) -> None:
     """Remove the discarded spools this process keeps for reuse (:data:`KEEP_FREE`) in
     ``folder``, or in every folder: a writer that ends returns their memory."""
     with _free_lock:
-        for where in [folder] if folder is not None else list(_free):
+        for where in {folder} if folder is not None else set(_free) | set(_filling):
+            _released[where] = _released.get(where, 0) + 1
             for free, file, pid, mapped in _free.pop(where, []):
                 if pid == os.getpid():
                     _drop(free, file, mapped)

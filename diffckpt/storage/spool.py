@@ -27,7 +27,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from ..errors import StorageError
-from .freespools import KEEP_FREE, keep, release_free_spools, take
+from .freespools import KEEP_FREE, fill, keep, release_free_spools, seen, take
 from .nodelocal import lock, locked, open_private, private_folder, user_folder
 from .spoolmap import AHEAD, MAP_MIN, MAPPABLE, FileMap
 from .spoolwrite import target_of, views_of, write_at
@@ -129,6 +129,7 @@ class Spool:
                 self.size += self._map.write(views, start)
                 self._target.note(size, time.perf_counter() - began, 0)  # neither way of writing
                 self._map.reserve(self.size + AHEAD * size)
+                seen(os.path.dirname(self.path), self.size)  # what the next spools are allocated ahead for
                 return start
             except OSError:  # no mapping (address space, a limit): written instead, over what was copied
                 self._map.close()
@@ -145,6 +146,7 @@ class Spool:
             self._map.grown(self.size)
             if size >= MAP_MIN:  # the pages of the next ones, beside training
                 self._map.reserve(self.size + AHEAD * size)
+                seen(os.path.dirname(self.path), self.size)
         return start
 
     def write_rate(self) -> float | None:
@@ -274,6 +276,7 @@ def temporary_spool(hint: str, folder: str | None = None) -> Spool:
         else:
             private_folder(folder)
         kept = take(folder, path)
+        fill(folder)  # a file for the spool after this one, beside training
         if kept is None:
             return Spool(path, temporary=True)
         spool = Spool.__new__(Spool)

@@ -36,7 +36,7 @@ import numpy as np
 
 from .spoolwrite import WRITERS, helpers, pieces
 
-__all__ = ["AHEAD", "MAPPABLE", "MAP_MIN", "WINDOW", "FileMap"]
+__all__ = ["AHEAD", "MAPPABLE", "MAP_MIN", "SPARE_CORES", "WINDOW", "FileMap"]
 
 WINDOW = 64 << 20
 """Bytes of a file each mapping covers at most: a record spans a few."""
@@ -52,10 +52,13 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-AHEAD = 2 if _cores() >= 4 else 0
-"""Appends of the last one's size whose pages are allocated ahead of them: where a core is spare
-to do it beside training. On the 2-core VM there is none: allocating ahead there slowed fast
-steps (100 ms a step, 70 of them launching work from Python) from 1.4x to 1.8x."""
+SPARE_CORES = _cores() >= 4
+"""Whether a core is spare to allocate pages ahead beside training (four or more usable). On the
+2-core VM there is none: allocating ahead there slowed fast steps (100 ms a step, 70 of them
+launching work from Python) from 1.4x to 1.8x."""
+
+AHEAD = 2 if SPARE_CORES else 0
+"""Appends of the last one's size whose pages are allocated ahead of them."""
 
 MAPPABLE = hasattr(mmap, "MAP_POPULATE") and hasattr(os, "posix_fallocate")
 """Whether this platform maps a file's pages in at once and allocates them (Linux)."""
@@ -85,6 +88,11 @@ class FileMap:
             if self._stop or end <= self.allocated or (self._reserving is not None and not self._reserving.done()):
                 return
             self._reserving = helpers().submit(self._reserve, -(-end // WINDOW) * WINDOW)
+
+    def map_all(self) -> None:
+        """Map every window of the pages the file has (a file allocated ahead, before it is used)."""
+        for index in range(-(-self.allocated // WINDOW)):
+            self._window(index, min(WINDOW, self.allocated - index * WINDOW))
 
     def settle(self) -> None:
         """Wait for a reservation that runs (before the file is truncated or closed)."""

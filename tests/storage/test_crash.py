@@ -63,7 +63,9 @@ def test_random_kill_local(seed: int, tmp_path: Path, truth: str) -> None:
     run_trial(_trial("local", ("random", seed), tmp_path, None, None, None, journal=False), truth)
 
 
-@pytest.mark.parametrize("seed", [100, 101, pytest.param(102, marks=_SOAKED), pytest.param(103, marks=_SOAKED)])
+# 101-103 in make soak: 100 kills at a random point of the same run (and test_random_kill_s3_journal with the journal)
+@pytest.mark.parametrize("seed", [100, pytest.param(101, marks=_SOAKED), pytest.param(102, marks=_SOAKED),
+                                  pytest.param(103, marks=_SOAKED)])
 def test_random_kill_s3(seed: int, tmp_path: Path, truth: str, s3_bucket: S3Target) -> None:
     run_trial(_trial("s3", ("random", seed), tmp_path, s3_bucket, None, None, journal=False), truth)
 
@@ -75,7 +77,8 @@ def test_random_kill_local_journal(seed: int, tmp_path: Path, truth: str) -> Non
     assert outcome.lost <= 1, outcome
 
 
-@pytest.mark.parametrize("seed", [300, 301])
+# 301 in make soak: 300 kills at a random point of the same run with the journal on
+@pytest.mark.parametrize("seed", [300, pytest.param(301, marks=_SOAKED)])
 def test_random_kill_s3_journal(seed: int, tmp_path: Path, truth: str, s3_bucket: S3Target) -> None:
     outcome = run_trial(_trial("s3", ("random", seed), tmp_path, s3_bucket, None, None, **BATCH16), truth)
     assert outcome.lost <= 1, outcome

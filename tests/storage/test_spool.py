@@ -25,7 +25,7 @@ from faultproxy import FaultProxy
 from s3env import S3Target, limit_s3fs_retries
 from test_protocol import Plain
 
-from diffckpt import CheckpointNotFoundError, StorageError
+from diffckpt import CheckpointNotFoundError, CheckpointOptions, StorageError
 from diffckpt.lifecycle.leftovers import details_of, leftovers
 from diffckpt.runstore import RunStore
 from diffckpt.storage import (
@@ -784,3 +784,110 @@ def test_a_mapping_that_fails_leaves_the_append_to_pwritev(
     assert spool._map is None and spool.read_at(0, 15000) == payload(15000, seed=2)
     spool.discard()
     spool_module.release_free_spools()
+
+
+def fills_done(folder: str) -> None:
+    deadline = time.monotonic() + 30
+    while freespools._filling.get(folder, 0) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not freespools._filling.get(folder, 0)
+
+
+def free_files(folder: str) -> list[str]:
+    return sorted(n for n in os.listdir(folder) if n.endswith("-free.tmp"))
+
+
+@pytest.fixture
+def spare(mapped: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A machine with cores to spare: the next spools' files are allocated ahead."""
+    monkeypatch.setattr(spoolmap, "SPARE_CORES", True)
+    monkeypatch.setattr(freespools, "MAP_MIN", 1)
+
+
+def test_the_next_spools_file_is_allocated_and_mapped_ahead(
+        tmp_path: Path, spare: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = str(tmp_path / "tier")
+    sizes = written(monkeypatch)
+    first = temporary_spool(HINT, folder)  # nothing seen in this folder yet: nothing allocated ahead
+    first.append([payload(30000, seed=1)])
+    fills_done(folder)
+    assert free_files(folder) == [] and sizes == [30000]
+    second = temporary_spool(HINT, folder)  # opens a new file, and has the next one made
+    fills_done(folder)
+    (made,) = free_files(folder)
+    assert os.stat(os.path.join(folder, made)).st_size == 30000
+    third = temporary_spool(HINT, folder)  # takes it: its records are copies
+    assert third._map is not None and third._map.allocated == 30000 and len(third._map._windows) == -(-30000 // spoolmap.WINDOW)
+    third.append([payload(20000, seed=2)])
+    third.append([payload(10000, seed=3)])
+    assert sizes == [30000] and third.read_at(0, 30000) == payload(20000, seed=2) + payload(10000, seed=3)
+    fills_done(folder)
+    assert len(free_files(folder)) == 1  # the one for the spool after it
+    for spool in (first, second, third):
+        spool.discard()
+    assert len(free_files(folder)) == spool_module.KEEP_FREE  # discarded ones kept within the bound
+    spool_module.release_free_spools(folder)
+    assert os.listdir(folder) == []
+
+
+def test_allocating_ahead_stops_on_a_full_file_system_and_at_release(
+        tmp_path: Path, spare: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = str(tmp_path / "tier")
+    first = temporary_spool(HINT, folder)
+    first.append([payload(30000)])
+
+    def full(fd: int, offset: int, size: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(spoolmap.os, "posix_fallocate", full)
+        second = temporary_spool(HINT, folder)
+        fills_done(folder)
+    assert free_files(folder) == [] and len(os.listdir(folder)) == 2  # the two spools: nothing left over
+    third = temporary_spool(HINT, folder)
+    spool_module.release_free_spools(folder)  # a writer ends while a file is made: it goes too
+    fills_done(folder)
+    assert free_files(folder) == []
+    for spool in (first, second, third):
+        spool.discard()
+    spool_module.release_free_spools(folder)
+    assert os.listdir(folder) == []
+
+
+def test_nothing_is_allocated_ahead_without_a_spare_core(tmp_path: Path, mapped: None,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(spoolmap, "SPARE_CORES", False)  # the 2-core VM (and CI)
+    monkeypatch.setattr(freespools, "MAP_MIN", 1)
+    folder = str(tmp_path / "tier")
+    first = temporary_spool(HINT, folder)
+    first.append([payload(30000)])
+    second = temporary_spool(HINT, folder)
+    fills_done(folder)
+    assert free_files(folder) == []
+    for spool in (first, second):
+        spool.discard()
+    spool_module.release_free_spools(folder)
+
+
+def test_a_run_whose_records_go_into_files_allocated_ahead_restores_every_step_bitwise(
+        tmp_path: Path, spare: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine end to end with the node-local tier's spools copied into mapped files made
+    ahead (an object store's run root keeps its spools in the tier), every step restored."""
+    from engine_runs import assert_state, restore, train
+
+    copies = []
+    real = spoolmap.FileMap.write
+
+    def counted(self: spoolmap.FileMap, views: list[memoryview], offset: int) -> int:
+        copies.append(offset)
+        return real(self, views, offset)
+
+    monkeypatch.setattr(spoolmap.FileMap, "write", counted)
+    root, tier = f"memory://filled-{uuid.uuid4().hex}", str(tmp_path / "tier")
+    truth, durable = train(root, steps=13, write_batch=3, local_dir=tier)
+    assert durable == 13 and len(copies) >= 6  # most records after the first segment's first: copies
+    for step in (4, 9, 13):
+        result, module, optimizers = restore(root, step, options=CheckpointOptions(local_dir=tier))
+        assert_state(truth, result, module, optimizers)
+    spool_module.release_free_spools()
+    assert [n for n in os.listdir(tier) if n.endswith(".tmp")] == []
