@@ -36,7 +36,7 @@ import numpy as np
 
 from .spoolwrite import WRITERS, helpers, pieces
 
-__all__ = ["AHEAD", "MAPPABLE", "MAP_MIN", "SPARE_CORES", "WINDOW", "FileMap"]
+__all__ = ["AHEAD", "CPU_QUOTA", "MAPPABLE", "MAP_MIN", "SPARE_CORES", "WINDOW", "FileMap", "usable_cores"]
 
 WINDOW = 64 << 20
 """Bytes of a file each mapping covers at most: a record spans a few."""
@@ -45,17 +45,35 @@ MAP_MIN = 8 << 20
 """Appends smaller than this are written (a lead, an index, a small record): a mapping's copy
 saves nothing on them."""
 
-def _cores() -> int:
+CPU_QUOTA = "/sys/fs/cgroup/cpu.max"  # cgroup v2: "<quota> <period>" in microseconds, or "max <period>"
+
+
+def usable_cores(quota_file: str = CPU_QUOTA) -> float:
+    """The cores this process may use: those it may run on, or its container's CPU quota when lower."""
     try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        cores: float = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cores = os.cpu_count() or 1
+    try:
+        with open(quota_file) as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max" and int(period) > 0:
+            cores = min(cores, int(quota) / int(period))
+    except (OSError, ValueError):  # no cgroup v2 here, or no quota
+        pass
+    return cores
 
 
-SPARE_CORES = _cores() >= 4
-"""Whether a core is spare to allocate pages ahead beside training (four or more usable). On the
-2-core VM there is none: allocating ahead there slowed fast steps (100 ms a step, 70 of them
-launching work from Python) from 1.4x to 1.8x."""
+def _spare_cores() -> bool:
+    forced = os.environ.get("DIFFCKPT_ALLOCATE_AHEAD", "").strip()
+    return forced == "1" if forced in ("0", "1") else usable_cores() >= 4
+
+
+SPARE_CORES = _spare_cores()
+"""Whether a core is spare to allocate pages ahead beside training: four or more usable (the
+affinity mask, and the container's CPU quota), or ``DIFFCKPT_ALLOCATE_AHEAD=1`` (``0``: never).
+On the 2-core VM there is none: allocating ahead there slowed fast steps (100 ms a step, 70 of
+them launching work from Python) from 1.4x to 1.8x."""
 
 AHEAD = 2 if SPARE_CORES else 0
 """Appends of the last one's size whose pages are allocated ahead of them."""

@@ -12,6 +12,7 @@ import random
 import re
 import stat
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -891,3 +892,22 @@ def test_a_run_whose_records_go_into_files_allocated_ahead_restores_every_step_b
         assert_state(truth, result, module, optimizers)
     spool_module.release_free_spools()
     assert [n for n in os.listdir(tier) if n.endswith(".tmp")] == []
+
+
+def test_usable_cores_are_the_affinity_or_the_containers_quota(tmp_path: Path) -> None:
+    mask = len(os.sched_getaffinity(0))
+    quota = tmp_path / "cpu.max"
+    quota.write_text("max 100000\n")  # no quota
+    assert spoolmap.usable_cores(str(quota)) == mask
+    quota.write_text("150000 100000\n")  # one and a half cores
+    assert spoolmap.usable_cores(str(quota)) == min(mask, 1.5)
+    assert spoolmap.usable_cores(str(tmp_path / "none")) == mask  # no cgroup v2
+
+
+@pytest.mark.parametrize(("value", "spare"), [("1", True), ("0", False)])
+def test_allocating_ahead_is_forced_on_or_off_by_the_environment(value: str, spare: bool) -> None:
+    env = dict(os.environ, DIFFCKPT_ALLOCATE_AHEAD=value)
+    done = subprocess.run([sys.executable, "-c", "from diffckpt.storage import spoolmap; "
+                           "print(spoolmap.SPARE_CORES, spoolmap.AHEAD)"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.stdout.split() == [str(spare), "2" if spare else "0"], done.stderr
