@@ -45,7 +45,8 @@ step ``--kill-at`` of ``--kill-steps`` and resumed (``engine.resume``) to the en
 ``torch.equal`` on every tensor of the model and optimizer; and the same with the node-local
 tier's folder deleted before the resume (the job resumed on another node, from the run root
 alone). Reported: the step killed at, the durable and node-local steps the run had printed last,
-the step resumed from, steps lost, bitwise equality.
+the step resumed from, steps lost, bitwise equality; a row fails when the resume differs or lost
+more steps than the run stated at its first step for that failure.
 
     python bench/fast_steps.py [--device-ms 150,60] [--steps 40] [--config NAME:k=v,...]...
                                [--storage paced --mbps 100] [--out bench/results/fast-steps.json]
@@ -586,6 +587,9 @@ def compare_row(row: dict[str, Any], truth: Any) -> dict[str, Any]:
     try:
         assert_bitwise_equal(torch.load(final, weights_only=True), truth)
         row["bitwise"], row["status"] = True, "passed"
+        stated = row.get("stated_crash_steps" if row["scenario"] == "process crash" else "stated_node_steps")
+        if isinstance(stated, int) and isinstance(row.get("steps_lost"), int) and row["steps_lost"] > stated:
+            row["status"], row["note"] = "failed", f"lost {row['steps_lost']} steps, more than the {stated} stated"
     except AssertionError as exc:
         row["bitwise"], row["status"], row["note"] = False, "failed", str(exc)[:400]
     finally:

@@ -37,6 +37,13 @@ def test_a_slow_run_root_loses_a_base_interval_and_two_base_writes() -> None:
     assert "takes bases" in b.text and "does not wait" in b.text
 
 
+def test_a_segment_being_written_when_a_base_comes_counts_when_it_is_the_larger() -> None:
+    # 8 records of 20 MB (160 MB) in flight, then the 100 MB base: 2.6 s at 100 MB/s, 26 steps
+    b = loss_bound(CheckpointOptions(), True, 8, 100 * MB, "file:///run", step_s=0.1, record_bytes=20 * MB,
+                   base_bytes=100 * MB, base_every=10)
+    assert b.node_steps == 10 + 26
+
+
 def test_bases_sized_by_bytes_are_sized_as_the_recorder_sizes_them() -> None:
     assert _bound(bps=100 * MB, base_every="bytes").node_steps == 20 + 2 * 10  # 4 x 100 MB / 20 MB
 
