@@ -35,10 +35,12 @@ def _first_step(log: str) -> int:
     return next(int(line.split()[1]) for line in log.splitlines() if line.startswith("STEP "))
 
 
-# make soak: adamw (adamw_bf16 is the same loop with 16-bit gradients) and scaler_skip (skipped AMP
-# steps are killed and resumed under Accelerate's loop and with a codec under Lightning).
-@pytest.mark.parametrize("config", [pytest.param(c, marks=pytest.mark.slow) if c in ("adamw", "scaler_skip") else c
-                                    for c in sorted(STEPS)])
+# make soak: adamw (adamw_bf16 is the same loop with 16-bit gradients), scaler_skip (skipped AMP
+# steps are killed and resumed under Accelerate's loop and with a codec under Lightning) and sgd_bn
+# (the core records a module's buffers whatever the front end: tests/storage/test_crash.py kills
+# and resumes a batch-norm model on every trial; Lightning hands over the module as in adamw_bf16).
+@pytest.mark.parametrize("config", [pytest.param(c, marks=pytest.mark.slow) if c in ("adamw", "scaler_skip", "sgd_bn")
+                                    else c for c in sorted(STEPS)])
 def test_kill9_then_resume_last_is_bitwise_identical(config, reference, tmp_path):
     rng = random.Random(f"{SEED}-{config}")
     kill_at = rng.randrange(2, STEPS[config] - 2)
@@ -63,7 +65,10 @@ def test_kill9_then_resume_last_is_bitwise_identical(config, reference, tmp_path
 
 
 # bf16-mixed kill -9 and resume also runs in make gpu-check's dry run (tests/test_gpu_check.py).
-@pytest.mark.parametrize("config", ["adamw", pytest.param("adamw_bf16", marks=pytest.mark.slow)])
+# make soak: every kill -9 test above compares its resumed run, whose state up to the kill is the
+# library's run, with a run that never imported diffckpt: a perturbation before or after fails it.
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["adamw", "adamw_bf16"])
 def test_library_does_not_perturb_training(config, reference, tmp_path):
     out = tmp_path / "with_lib.pt"
     rc, log = run_script(SCRIPT, [config, str(out), "--dirpath", str(tmp_path / "run")])
