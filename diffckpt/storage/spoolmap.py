@@ -128,14 +128,20 @@ class FileMap:
             stop = min(end, (index + 1) * WINDOW)
             try:
                 os.posix_fallocate(self.fd, start, stop - start)
+                # Mapped (and populated) outside the lock: the writer's appends look windows up meanwhile.
+                window: mmap.mmap | None = None if index in self._windows else self._map(index, stop - index * WINDOW)
             except OSError:  # a full file system: the appends past here are written, and fail as writes do
                 return
             with self._lock:
-                if self._stop or self.allocated != start:  # truncated meanwhile (settle() prevents it)
-                    return
-                self.allocated = stop
-                if index not in self._windows:  # a shorter one stays until an append needs more
-                    self._windows[index] = self._map(index, stop - index * WINDOW)
+                moved = self._stop or self.allocated != start  # truncated meanwhile (settle() prevents it)
+                if not moved:
+                    self.allocated = stop
+                    if window is not None and index not in self._windows:  # a shorter one stays until needed
+                        self._windows[index], window = window, None
+            if window is not None:
+                window.close()
+            if moved:
+                return
 
     def covers(self, offset: int, size: int) -> bool:
         """Whether ``size`` bytes at ``offset`` are in pages the file has."""
@@ -174,7 +180,10 @@ class FileMap:
 
     def flush(self) -> None:
         """Write the windows' pages back to the file's storage (``msync``; before an ``fsync``)."""
-        for window in self._windows.values():
+        self.settle()
+        with self._lock:
+            windows = list(self._windows.values())
+        for window in windows:
             window.flush()
 
     def close(self) -> None:
