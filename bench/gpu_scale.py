@@ -236,6 +236,12 @@ def thread_cpu() -> dict[str, float]:
     return cpu()
 
 
+def writer_stats(writer: Any) -> dict[str, Any]:
+    from fast_steps import writer_figures  # one definition, in the CPU emulation's script
+
+    return writer_figures(writer)
+
+
 def tiers_at(engine: Any, last: int, now: float, committed: dict[int, float]) -> dict[str, Any]:
     """The durable step (the run root) and the node-local step (the journal) of a running session,
     each with its lag behind step ``last`` in steps and in seconds (``now`` less the time the step
@@ -249,16 +255,6 @@ def tiers_at(engine: Any, last: int, now: float, committed: dict[int, float]) ->
         out[f"{name}_lag_steps"] = None if step is None else last - step
         out[f"{name}_lag_s"] = None if step is None else now - committed.get(step, committed[0])
     return out
-
-
-def writer_stats(writer: Any) -> dict[str, Any]:
-    """The writer's counters (``WriterStats``: stall and write seconds, bytes) where it has them."""
-    import dataclasses
-
-    stats = getattr(writer, "stats", None)
-    if stats is None or not dataclasses.is_dataclass(stats) or isinstance(stats, type):
-        return {}
-    return {k: v for k, v in dataclasses.asdict(stats).items() if isinstance(v, (int, float))}
 
 
 def same(a: Any, b: Any) -> bool:

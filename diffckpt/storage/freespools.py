@@ -74,8 +74,16 @@ def fill(folder: str) -> None:
     helpers().submit(_fill, folder, size, released)
 
 
-def _fill(folder: str, size: int, released: int) -> None:
+def _hold(folder: str, path: str, file: Any, mapped: FileMap | None) -> None:
+    """Keep ``file`` (renamed ``path``) for the next spool in ``folder``; ``_free_lock`` is held."""
     global _exit_hooked
+    _free.setdefault(folder, []).append((path, file, os.getpid(), mapped))
+    if not _exit_hooked:
+        atexit.register(release_free_spools)
+        _exit_hooked = True
+
+
+def _fill(folder: str, size: int, released: int) -> None:
     path = os.path.join(folder, f"{os.getpid()}-{uuid.uuid4().hex[:8]}-free.tmp")
     file: Any = None
     mapped: FileMap | None = None
@@ -89,13 +97,9 @@ def _fill(folder: str, size: int, released: int) -> None:
         mapped = FileMap(fd)
         mapped.map_all()
         with _free_lock:
-            kept = _free.setdefault(folder, [])
-            if _released.get(folder, 0) == released and len(kept) < KEEP_FREE:
-                kept.append((path, file, os.getpid(), mapped))
+            if _released.get(folder, 0) == released and len(_free.get(folder, [])) < KEEP_FREE:
+                _hold(folder, path, file, mapped)
                 file = None
-                if not _exit_hooked:
-                    atexit.register(release_free_spools)
-                    _exit_hooked = True
     except (OSError, ValueError):  # a full file system, a folder gone: the spools write their own pages
         pass
     finally:
@@ -111,7 +115,6 @@ def _fill(folder: str, size: int, released: int) -> None:
 def keep(path: str, file: Any, mapped: FileMap | None) -> bool:
     """Keep a discarded temporary spool's open ``file`` (and its mapping) for the next spool in its
     folder, renamed as a spool no journal names; ``False`` where it is not kept (the caller removes it)."""
-    global _exit_hooked
     folder = os.path.dirname(path)
     try:
         size = os.fstat(file.fileno()).st_size
@@ -123,10 +126,7 @@ def keep(path: str, file: Any, mapped: FileMap | None) -> bool:
                 return False
             free = os.path.join(folder, f"{os.getpid()}-{uuid.uuid4().hex[:8]}-free.tmp")
             os.rename(path, free)
-            kept.append((free, file, os.getpid(), mapped))
-            if not _exit_hooked:
-                atexit.register(release_free_spools)
-                _exit_hooked = True
+            _hold(folder, free, file, mapped)
         return True
     except OSError:
         return False

@@ -123,31 +123,35 @@ class Spool:
         mapped = self._map is not None and size >= MAP_MIN and self._map.covers(start, size)
         workers = 1 if mapped else self._target.workers(size)
         began = time.perf_counter()
-        if mapped:
-            assert self._map is not None
+        if mapped and self._copy_in(views, start):
+            workers = 0  # neither way of writing: a copy into the mapping
+        else:
             try:
-                self.size += self._map.write(views, start)
-                self._target.note(size, time.perf_counter() - began, 0)  # neither way of writing
-                self._map.reserve(self.size + AHEAD * size)
-                seen(os.path.dirname(self.path), self.size)  # what the next spools are allocated ahead for
-                return start
-            except OSError:  # no mapping (address space, a limit): written instead, over what was copied
-                self._map.close()
-                self._map = None
-        try:
-            self.size += write_at(self._file.fileno(), views, start, workers)
-        except OSError as exc:
-            # Later offsets must stay those of `size`: drop whatever part of the buffers went out.
-            with contextlib.suppress(OSError):
-                self.truncate(start)
-            raise _failed("append to", self, exc) from exc
+                self.size += write_at(self._file.fileno(), views, start, workers)
+            except OSError as exc:
+                # Later offsets must stay those of `size`: drop whatever part of the buffers went out.
+                with contextlib.suppress(OSError):
+                    self.truncate(start)
+                raise _failed("append to", self, exc) from exc
+            if self._map is not None:
+                self._map.grown(self.size)
         self._target.note(size, time.perf_counter() - began, workers)
-        if self._map is not None:
-            self._map.grown(self.size)
-            if size >= MAP_MIN:  # the pages of the next ones, beside training
-                self._map.reserve(self.size + AHEAD * size)
-                seen(os.path.dirname(self.path), self.size)
+        if self._map is not None and size >= MAP_MIN:  # the pages of the next ones, beside training
+            self._map.reserve(self.size + AHEAD * size)
+            seen(os.path.dirname(self.path), self.size)  # what the next spools are allocated ahead for
         return start
+
+    def _copy_in(self, views: list[memoryview], start: int) -> bool:
+        """Copy ``views`` into the mapping at ``start``; ``False`` where no mapping could be made
+        (address space, a limit): the caller writes them instead, over what was copied."""
+        assert self._map is not None
+        try:
+            self.size += self._map.write(views, start)
+            return True
+        except OSError:
+            self._map.close()
+            self._map = None
+            return False
 
     def write_rate(self) -> float | None:
         """Bytes per second appends to this spool's file system took in this process; where none
