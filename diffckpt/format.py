@@ -29,11 +29,12 @@ __all__ = [
     "state_entry",
 ]
 
-FORMAT_VERSION = 3
-CHECKSUMS: dict[int, Algorithm] = {1: SHA256, 2: XXH3_128, 3: XXH3_128}
-"""The hash algorithm of each format version readers accept (format 1: SHA-256, formats 2 and 3:
+FORMAT_VERSION = 4
+CHECKSUMS: dict[int, Algorithm] = {1: SHA256, 2: XXH3_128, 3: XXH3_128, 4: XXH3_128}
+"""The hash algorithm of each format version readers accept (format 1: SHA-256, formats 2 to 4:
 XXH3-128); its ``key`` names the digests in segment headers and COMMIT markers. Format 3 moved a
-segment's index to its end, so that a segment is written as its records arrive."""
+segment's index to its end, so that a segment is written as its records arrive; format 4 added
+row-split gradients (``narrowing.py``), which a format-3 reader would not understand."""
 _SEG_RE = re.compile(r"^diffs/(\d{12})-(\d{12})\.g(\d{6})\.seg$", re.ASCII)
 _BASE_RE = re.compile(r"^bases/(\d{12})\.g(\d{6})/COMMIT$", re.ASCII)
 

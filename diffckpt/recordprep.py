@@ -16,9 +16,10 @@ __all__ = ["narrow_gradients", "prepare_record"]
 
 
 def narrow_gradients(record: dict[str, Any], pool: Any = None, taken: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-    """Store ``record``'s bfloat16-valued float32 gradients in 16 bits (exact, half the bytes,
-    and far cheaper than zstd finding the zero halves; replay casts every gradient to its
-    parameter's dtype, format.md section 6). Only gradients: a base and the rest of a record
+    """Store ``record``'s bfloat16-valued float32 gradients in 16 bits, and those bfloat16-valued
+    but in a few rows as row-split gradients (exact, half the bytes or close, and far cheaper than
+    zstd finding the zero halves; replay casts every gradient to its parameter's dtype, format.md
+    section 6). Only gradients: a base and the rest of a record
     (buffers, state) keep their dtypes.
 
     Host gradients are narrowed here, in place (here, not on the training thread: it reads every
@@ -28,9 +29,9 @@ def narrow_gradients(record: dict[str, Any], pool: Any = None, taken: list[torch
     left: list[torch.Tensor] = []
     for event in record["events"]:
         if "grads" in event:
+            left += [g for group in event["grads"] for g in group if g is not None and g.device.type != "cpu"]
             event["grads"] = [[g if g is None or g.device.type != "cpu" else narrowed(g, pool, taken) for g in group]
                               for group in event["grads"]]
-            left += [g for group in event["grads"] for g in group if g is not None and g.device.type != "cpu"]
     return left
 
 

@@ -38,6 +38,7 @@ from .errors import (
     ReplayMismatchError,
 )
 from .inventory import RestorePlan
+from .narrowing import is_split, widened
 from .recordreads import ReadStats
 from .runstore import RunStore
 
@@ -190,6 +191,8 @@ def _ready(event: dict[str, Any], optimizers: list[torch.optim.Optimizer], step:
         for p, g in zip(group["params"], grads):
             if codec is not None and g is not None:
                 g, ready.payloads[decoder.names.get(id(p), "")] = decoder.grad(codec, p, g)
+            elif is_split(g):
+                g = _widened(g, p.device, step)
             if g is not None and g.shape != p.shape:
                 raise IncompatibleCheckpointError(
                     f"step {step}: gradient of shape {tuple(g.shape)} for a parameter of shape "
@@ -201,6 +204,15 @@ def _ready(event: dict[str, Any], optimizers: list[torch.optim.Optimizer], step:
     if coded:  # the decoded gradients are new tensors: clipping them here changes nothing else
         clip_tensors([g for grads in ready.grads for g in grads if g is not None], event.get("clip"))
     return ready
+
+
+def _widened(split: dict[str, torch.Tensor], device: torch.device, step: int) -> torch.Tensor:
+    """A row-split gradient (``narrowing.py``) as the float32 gradient the step consumed."""
+    try:
+        return widened(split, device)
+    except ValueError as exc:
+        raise CorruptRecordError(f"step {step}: {exc}; the record was not written by this format's writer "
+                                 "(restore an earlier step, or check the run root's files with diffckpt verify)") from None
 
 
 def _apply_event(event: dict[str, Any], ready: _Ready, optimizers: list[torch.optim.Optimizer],

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from .narrowing import exact_flags, high_halves, narrowable
+from .narrowing import high_halves, low_rows, narrowable, plan, row_flags
 from .recordprep import narrow_gradients
 
 __all__ = ["PINNED_CAP", "PINNED_SHARE", "PINNED_UNKNOWN", "HostStage", "PinnedPool", "memory_limit",
@@ -187,20 +187,36 @@ class HostStage:
                     s.wait_event(event)  # on the device: the host does not wait here
             return used[index]
 
-        exact = self._exact([g for g in narrow if g.device.type == "cuda" and narrowable(g)], stream, taken)
+        plans = self._plans([g for g in narrow if g.device.type == "cuda" and narrowable(g)], stream, taken)
+
+        def copied(src: torch.Tensor, whole: tuple[int, ...] | None = None) -> torch.Tensor:
+            """A host copy of ``src`` queued on the current (side) stream; ``whole``: a buffer
+            of that shape whose first rows take it, so that the pool reuses one buffer per
+            gradient whatever the number of rows."""
+            if whole is not None and pooled:
+                buf = self.pool.take(torch.empty(whole, dtype=src.dtype, device="meta"))
+                taken.append(buf)
+                buf = buf[: src.shape[0]]
+            else:
+                buf = self.pool.take(src) if pooled else torch.empty(src.shape, dtype=src.dtype)
+                taken.append(buf)
+            buf.copy_(src, non_blocking=True)
+            return buf
 
         def move(obj: Any) -> Any:
             if isinstance(obj, torch.Tensor):
                 if obj.device.type != "cuda":
                     return obj
+                rows = plans.get(id(obj))
                 with torch.cuda.stream(stream(obj.device)):
                     # The halves are made on the side stream, the only one that uses them: once
                     # dropped, their memory goes to work queued after this copy.
-                    src = high_halves(obj) if exact.get(id(obj)) else obj
-                    buf = self.pool.take(src) if pooled else torch.empty(src.shape, dtype=src.dtype)
-                    taken.append(buf)
-                    buf.copy_(src, non_blocking=True)
-                return buf
+                    if rows is None:
+                        return copied(obj)
+                    high = copied(high_halves(obj))
+                    if not len(rows):
+                        return high
+                    return {"high": high, "rows": rows, "low": copied(low_rows(obj, rows), (obj.shape[0], obj.numel() // obj.shape[0]))}
             if isinstance(obj, dict):
                 return {k: move(v) for k, v in obj.items()}
             if isinstance(obj, list):
@@ -214,11 +230,11 @@ class HostStage:
             s.synchronize()
         return out, taken
 
-    def _exact(self, grads: list[torch.Tensor], stream: Callable[[torch.device], Any],
-               taken: list[torch.Tensor]) -> dict[int, bool]:
-        """``id(g) -> whether g holds only bfloat16 values`` for ``grads`` (on GPUs): the flags
-        of each device's gradients computed on its side stream and read back with one small copy,
-        which this (writer) thread waits for, and only for it."""
+    def _plans(self, grads: list[torch.Tensor], stream: Callable[[torch.device], Any],
+               taken: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+        """``id(g) -> narrowing.plan`` for those of ``grads`` (on GPUs) that are stored in 16
+        bits, whole or split: the rows' flags of each device's gradients computed on its side
+        stream and read back with one copy, which this (writer) thread waits for, and only for it."""
         by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
         for g in grads:
             by_device[g.device].append(g)
@@ -226,18 +242,24 @@ class HostStage:
         for device, group in by_device.items():
             side = stream(device)
             with torch.cuda.stream(side):
-                flags = exact_flags(group)
+                flags = row_flags(group)
                 host = self.pool.take(flags)
                 taken.append(host)
                 host.copy_(flags, non_blocking=True)
             done = torch.cuda.Event()
             done.record(side)
             reads.append((group, host, done))
-        exact: dict[int, bool] = {}
+        plans: dict[int, torch.Tensor] = {}
         for group, host, done in reads:
             done.synchronize()
-            exact.update(zip(map(id, group), host.tolist()))
-        return exact
+            at = 0
+            for g in group:
+                n = g.shape[0] if g.dim() >= 2 else 1
+                rows = plan(g, host[at:at + n])
+                at += n
+                if rows is not None:
+                    plans[id(g)] = rows
+        return plans
 
     def narrow(self, record: dict[str, Any]) -> list[torch.Tensor]:
         """:func:`~diffckpt.recordprep.narrow_gradients`, the host copies in this stage's pool (the

@@ -43,12 +43,12 @@ def test_known_vectors() -> None:
 
 
 def test_formats_name_their_algorithm() -> None:
-    assert CHECKSUMS == {1: SHA256, 2: XXH3_128, 3: XXH3_128}  # format 3 moved the segment index only
+    assert CHECKSUMS == {1: SHA256, 2: XXH3_128, 3: XXH3_128, 4: XXH3_128}  # 3 moved the index, 4 split gradients
     assert CHECKSUMS[FORMAT_VERSION] is CURRENT is XXH3_128
-    assert checksum_for(1, "x") is SHA256 and checksum_for(2, "x") is checksum_for(3, "x") is XXH3_128
-    for version in (0, 4, 99, True, "2", None):
+    assert checksum_for(1, "x") is SHA256 and checksum_for(2, "x") is checksum_for(4, "x") is XXH3_128
+    for version in (0, 5, 99, True, "2", None):
         with pytest.raises(CorruptRecordError, match=f"x format {version!r} is not one this diffckpt "
-                           r"reads \(formats 1, 2 and 3\); .*upgrade diffckpt"):
+                           r"reads \(formats 1, 2, 3 and 4\); .*upgrade diffckpt"):
             checksum_for(version, "x")
 
 

@@ -15,7 +15,7 @@ from engine_runs import base_dir, untouched
 from helpers import assert_bitwise_equal
 
 from diffckpt import CheckpointEngine, CheckpointOptions, compact, load_state
-from diffckpt.narrowing import narrowed
+from diffckpt.narrowing import is_split, narrowed
 from diffckpt.recordprep import narrow_gradients
 from diffckpt.rng import get_rng_state, set_rng_state
 from diffckpt.segment import decode_segment
@@ -45,6 +45,12 @@ def _bf16_valued(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.bfloat16).to(torch.float32)
 
 
+def _with_wide_rows(g: torch.Tensor, rows: list[int], values: torch.Tensor) -> torch.Tensor:
+    """An embedding's gradient under autocast: bfloat16-valued but in ``rows``."""
+    g[rows] = values
+    return g
+
+
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same dtype, shape and bytes."""
     return (a.dtype, a.shape) == (b.dtype, b.shape) and torch.equal(
@@ -72,6 +78,7 @@ def test_the_host_stage_narrows_gradients_on_the_device_as_the_host_would() -> N
         randn(6, 10)[:, ::2],  # not contiguous, float32-valued
         _bf16_valued(randn(6, 10))[:, ::2],  # every second element: flattened, a strided view
         randn(8).to(torch.bfloat16),  # 16 bits already
+        _with_wide_rows(_bf16_valued(randn(300, 24)), [3, 150], randn(2, 24)),  # an embedding: split
     ]
     buffer = _bf16_valued(randn(16))
     want = [narrowed(g.cpu().contiguous()) for g in grads]
@@ -85,18 +92,25 @@ def test_the_host_stage_narrows_gradients_on_the_device_as_the_host_would() -> N
         assert host["events"][0]["grads"][1][0] is None
         return [g for group in host["events"][0]["grads"] for g in group if g is not None], host["buffers"], buffers
 
+    def same(g: Any, w: Any) -> bool:
+        if isinstance(w, dict):
+            return is_split(g) and all(_same(g[k], w[k]) for k in ("high", "rows", "low")) and g["low"].is_pinned()
+        return _same(g, w) and (g.is_pinned() or not g.numel())
+
     got, buffers_of_record, buffers = staged()
     for i, (g, w) in enumerate(zip(got, want)):
-        assert _same(g, w) and (g.is_pinned() or not g.numel()), i
-    assert [g.dtype for g in got] == [torch.bfloat16, torch.float32, torch.bfloat16, torch.bfloat16, torch.float32,
-                                      torch.bfloat16, torch.float32, torch.bfloat16, torch.bfloat16]
+        assert same(g, w), i
+    assert [g.dtype for g in got[:-1]] == [torch.bfloat16, torch.float32, torch.bfloat16, torch.bfloat16, torch.float32,
+                                           torch.bfloat16, torch.float32, torch.bfloat16, torch.bfloat16]
+    assert is_split(got[-1]) and got[-1]["rows"].tolist() == [3, 150]
     assert _same(buffers_of_record["bn"], buffer.cpu())
     flags = [b for b in buffers if b.dtype == torch.bool]
-    assert len(flags) == 1 and flags[0].shape == (7,) and flags[0].is_pinned()  # float32, not empty: 7 of 9
+    # float32, not empty: 8 of 10, one flag each and 300 for the embedding's rows
+    assert len(flags) == 1 and flags[0].shape == (7 + 300,) and flags[0].is_pinned()
     stage.release(buffers)
     again, _, more = staged()
     assert [b.data_ptr() for b in more] == [b.data_ptr() for b in buffers]  # the pool's
-    assert all(_same(g, w) for g, w in zip(again, want))
+    assert all(same(g, w) for g, w in zip(again, want))
 
 
 def test_cuda_generators_are_captured_and_restored() -> None:
@@ -166,19 +180,24 @@ def test_a_cuda_run_replays_onto_the_device_and_loads_as_cuda_tensors(tmp_path: 
 
 def test_a_cuda_run_stores_bfloat16_valued_gradients_in_16_bits_and_replays_bitwise(tmp_path: Path) -> None:
     """Under bf16 autocast most gradients hold bfloat16 values (here the first layer's, made so by
-    a hook) and some do not (the others): the first are stored in 16 bits and the others in 32,
-    decided on the device; the restore is bitwise."""
+    a hook), some do not (the batch norm's), and an embedding's does but in the rows of the batch's
+    tokens (the last layer's weight here, made so by a hook that keeps its first row float32): the first
+    are stored in 16 bits, the second in 32 and the last split, decided on the device; the restore
+    is bitwise."""
     torch.manual_seed(0)
     model = _model()
     for p in model[0].parameters():
         p.register_hook(_bf16_valued)
+    model[3].bias.register_hook(_bf16_valued)
+    model[3].weight.register_hook(lambda g: torch.cat([g[:1], _bf16_valued(g[1:])]))
     truth = _recorded_run(tmp_path, model, torch.optim.AdamW(model.parameters(), lr=1e-2), 6)
     records = [r for seg in sorted((tmp_path / "diffs").glob("*.seg"))
                for r in decode_segment(seg.read_bytes(), str(seg))[1]]
     assert [r["step"] for r in records] == list(range(1, 7))
     for r in records:  # parameters: first Linear's weight and bias, the batch norm's two, the last Linear's two
         (group,) = r["events"][0]["grads"]
-        assert [g.dtype for g in group] == [torch.bfloat16] * 2 + [torch.float32] * 4
+        assert [g.dtype for g in group[:5]] == [torch.bfloat16] * 2 + [torch.float32] * 2 + [torch.bfloat16]
+        assert is_split(group[5]) and group[5]["rows"].tolist() == [0]
     result, state = _restored(tmp_path)
     assert result.step == 6
     assert_bitwise_equal(truth, state)

@@ -146,7 +146,7 @@ def test_real_writer_produces_the_golden_run(tmp_path: Path) -> None:
 
 def test_golden_files_are_small() -> None:
     total = sum(p.stat().st_size for p in GOLDEN.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
-    assert total < 100_000  # the format-3 files, the fixtures of formats 1 and 2 and the CLI outputs
+    assert total < 125_000  # the format-4 files, the fixtures of formats 1 to 3 and the CLI outputs
 
 
 # =========================================================================================
@@ -393,13 +393,13 @@ def _decode_by_the_doc(node: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
 
 def _read_segment_by_the_doc(data: bytes) -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
-    """Section 4 (format 3) with struct/json/xxhash only: return (lead, index, records)."""
+    """Section 4 (formats 3 and 4) with struct/json/xxhash only: return (lead, index, records)."""
     assert data[0:8] == bytes.fromhex("44434b5345470001")
     (lead_len,) = struct.unpack("<I", data[8:12])
     lead_bytes = data[12 : 12 + lead_len]
     lead = json.loads(lead_bytes)
     assert json.dumps(lead, separators=(",", ":"), sort_keys=True).encode() == lead_bytes
-    assert lead["format"] == 3
+    assert lead["format"] == 4
     (index_len,) = struct.unpack("<I", data[-20:-16])
     index_bytes = data[-20 - index_len : -20]
     index = json.loads(index_bytes)
@@ -452,7 +452,7 @@ def test_segment_bytes_at_documented_offsets() -> None:
     data = golden(SEG1)
     assert data[:8] == SEGMENT_MAGIC == b"DCKSEG\x00\x01"
     assert data[8:12] == bytes([0x33, 0x00, 0x00, 0x00])  # L = 51, little-endian
-    assert data[12:0x3F] == b'{"after":0,"compression":"none","format":3,"gen":1}'  # 12 .. 12 + L - 1
+    assert data[12:0x3F] == b'{"after":0,"compression":"none","format":4,"gen":1}'  # 12 .. 12 + L - 1
     assert data[0x3F:0x47] == struct.pack("<Q", 920)  # first blob: its safetensors length
     assert data[0x47:0x59] == b'{"__metadata__":{"'
     assert read_metadata(data[0x40F : 0x40F + 1088])["diffckpt.tree"].startswith('{"dict":[["step",2]')
@@ -503,7 +503,7 @@ def test_kept_marker_bytes_and_name_are_as_documented() -> None:
     path, data = kept_path(why), encode_kept(1, 3, why)
     assert path == f"kept/{xxhash.xxh3_128(why.encode()).hexdigest()}.json" and is_kept_path(path)
     assert not is_kept_path("kept/.x.json.1234abcd.tmp") and not is_kept_path("kept/a/b.json")
-    assert json.loads(data) == {"format": 3, "gen": 1, "step": 3, "why": why}
+    assert json.loads(data) == {"format": 4, "gen": 1, "step": 3, "why": why}
     assert decode_kept(data, path).step == 3
     assert f"{path}\n{data.decode()}" in DOC.read_text(), "the kept marker example in docs/format.md is stale"
 
@@ -669,9 +669,9 @@ def test_bad_magic_and_bad_header() -> None:
         decode_segment(data[:12] + b"[" + data[13:], "seg")
     with pytest.raises(CorruptRecordError, match="damaged or truncated"):
         decode_segment(data[:8] + struct.pack("<I", 10**6) + data[12:], "seg")
-    newer = data.replace(b'"format":3', b'"format":4', 1)
-    with pytest.raises(CorruptRecordError, match="seg: segment format 4 is not one this diffckpt reads "
-                       r"\(formats 1, 2 and 3\); .*upgrade diffckpt"):
+    newer = data.replace(b'"format":4', b'"format":5', 1)
+    with pytest.raises(CorruptRecordError, match="seg: segment format 5 is not one this diffckpt reads "
+                       r"\(formats 1, 2, 3 and 4\); .*upgrade diffckpt"):
         decode_segment(newer, "seg")
     with pytest.raises(ValueError):  # CorruptRecordError is also a ValueError
         decode_segment(b"garbage" * 10)
@@ -745,7 +745,7 @@ def test_unknown_compression_is_refused() -> None:
 
 def test_damaged_commit_and_base(tmp_path: Path) -> None:
     data = golden(BASE_COMMIT)
-    for bad in (data[:-1], b"", data.replace(b'"format": 3', b'"format": 4'),
+    for bad in (data[:-1], b"", data.replace(b'"format": 4', b'"format": 5'),
                 data.replace(b'"files"', b'"filez"'), b"[]"):
         with pytest.raises(CorruptRecordError):
             decode_commit(bad, "COMMIT")

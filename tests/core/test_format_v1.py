@@ -224,12 +224,12 @@ def test_a_format_1_marker_with_current_keys_or_the_reverse_is_damaged() -> None
 
 
 # ------------------------------------------------------------------------- unknown versions
-@pytest.mark.parametrize("version", [0, 4, 17])
+@pytest.mark.parametrize("version", [0, 5, 17])
 def test_a_commit_of_an_unknown_version_is_refused_naming_it(tmp_path: Path, version: int) -> None:
     info = json.loads(v1(f"run/{BASE.commit_path}"))
     data = json.dumps({**info, "format": version}, indent=1, sort_keys=True).encode()
     message = (f"COMMIT: COMMIT marker format {version} is not one this diffckpt reads "
-               r"\(formats 1, 2 and 3\); it was written by a newer diffckpt \(upgrade diffckpt to read it\)")
+               r"\(formats 1, 2, 3 and 4\); it was written by a newer diffckpt \(upgrade diffckpt to read it\)")
     with pytest.raises(CorruptRecordError, match=message):
         decode_commit(data, "COMMIT")
     root = _copy(tmp_path)
@@ -239,9 +239,9 @@ def test_a_commit_of_an_unknown_version_is_refused_naming_it(tmp_path: Path, ver
 
 
 def test_a_segment_of_an_unknown_version_is_refused_naming_it() -> None:
-    data = v1("run/" + SEG1).replace(b'"format":1', b'"format":4', 1)
-    with pytest.raises(CorruptRecordError, match=r"seg: segment format 4 is not one this diffckpt reads "
-                       r"\(formats 1, 2 and 3\); .*upgrade diffckpt"):
+    data = v1("run/" + SEG1).replace(b'"format":1', b'"format":5', 1)
+    with pytest.raises(CorruptRecordError, match=r"seg: segment format 5 is not one this diffckpt reads "
+                       r"\(formats 1, 2, 3 and 4\); .*upgrade diffckpt"):
         decode_segment(data, "seg")
 
 

@@ -164,13 +164,13 @@ def test_cli_verify_names_a_damaged_format_2_record(tmp_path: Path, capsys: Cap)
 
 
 # ----------------------------------------------------------------- a root with both formats
-def test_a_run_root_with_a_format_2_and_a_format_3_session(tmp_path: Path, capsys: Cap) -> None:
+def test_a_run_root_with_a_format_2_and_a_current_session(tmp_path: Path, capsys: Cap) -> None:
     root = _copy(tmp_path)
     truth = resume_with_the_current_format(root)
     formats = [format_of(root, rel) for rel in
                [BASE.commit_path, SEG1, SEG2, BaseName(4, 2).commit_path,
                 "diffs/000000000004-000000000006.g000002.seg", "diffs/000000000006-000000000008.g000002.seg"]]
-    assert formats == [2, 2, 2, 3, 3, 3] and FORMAT_VERSION == 3
+    assert formats == [2, 2, 2, *[FORMAT_VERSION] * 3]
     sim = mg.simulate()
 
     def check(step: int | None, expected: int, base: int) -> None:
@@ -180,11 +180,11 @@ def test_a_run_root_with_a_format_2_and_a_format_3_session(tmp_path: Path, capsy
         for name in mg.PARAM_NAMES:
             assert torch.equal(result["model"][name], want[name]), (step, name)
 
-    check(None, 8, 4)  # the format-3 session
+    check(None, 8, 4)  # the current format's session
     check(3, 3, 0)  # the format-2 session
-    # Compaction of the format-2 chain writes a format-3 base that a format-2 segment continues.
+    # Compaction of the format-2 chain writes a current base that a format-2 segment continues.
     assert compact(str(root), to=2).written
-    assert format_of(root, BaseName(2, 1).commit_path) == 3
+    assert format_of(root, BaseName(2, 1).commit_path) == FORMAT_VERSION
     check(3, 3, 2)
     rc, out, _ = cli(capsys, "verify", root, "--deep")
     assert rc == 0 and "OK: every checksum matches" in out, out

@@ -262,4 +262,7 @@ def test_bfloat16_valued_gradients_narrow_chunk_by_chunk() -> None:
     h = narrowed(g)
     assert h.dtype == torch.bfloat16 and h.shape == g.shape and torch.equal(h.float(), g)
     g.view(-1)[-1] += 1e-6  # one value past bfloat16, in the last chunk: nothing is lost
-    assert narrowed(g) is g
+    split = narrowed(g)
+    assert isinstance(split, dict) and split["rows"].tolist() == [g.shape[0] - 1]
+    flat = g.view(-1)
+    assert narrowed(flat) is flat  # one row: float32 whole

@@ -4,19 +4,20 @@ Run ``python tests/golden/make_golden.py`` from the repository root to rewrite t
 for a deliberate format change (and bump ``diffckpt.format.FORMAT_VERSION`` if old files can no
 longer be read): the point of the golden files is that an accidental change fails the tests.
 
-It writes the current format (3: XXH3-128 checksums and fingerprints, each segment's index at
-its end) only. ``v1/`` holds the same run, segment and sharded run in format 1 (SHA-256), and
-``v2/`` in format 2 (the index in the header), as the releases of this script for those formats
+It writes the current format (4: XXH3-128 checksums and fingerprints, each segment's index at
+its end, row-split gradients understood) only. ``v1/`` holds the same run, segment and sharded
+run in format 1 (SHA-256), ``v2/`` in format 2 (the index in the header) and ``v3/`` in format 3
+(as format 4 but for the version numbers), as the releases of this script for those formats
 wrote them; they are read-only fixtures that show older runs stay readable and verifiable
-(``tests/core/test_format_v1.py``, ``tests/core/test_format_v2.py``), and nothing regenerates
-them: never rewrite them.
+(``tests/core/test_format_v1.py``, ``test_format_v2.py``, ``test_format_v3.py``), and nothing
+regenerates them: never rewrite them.
 
 Everything here is deterministic: explicit tensor values (no RNG, no BLAS), and every value is a
 small dyadic rational, so the simulated SGD steps are exact in float32 on any machine and the
 fingerprints do not depend on how a kernel rounds. Records are written with compression "none"
 so their bytes do not depend on the zstd library; ``segment-zstd.seg`` is only decoded.
 
-Files (paths relative to ``tests/golden/``), all written here but ``v1/`` and ``v2/``:
+Files (paths relative to ``tests/golden/``), all written here but ``v1/``, ``v2/`` and ``v3/``:
 
 * ``tree.safetensors``: one :func:`diffckpt.tree.pack_tree` buffer using every tag of the tree
   encoding (see :func:`all_tags_tree`).
