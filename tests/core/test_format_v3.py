@@ -16,21 +16,14 @@ import torch
 from test_cli import cli
 from test_format import assert_same, mg
 from test_format_v1 import format_of, resume_with_the_current_format
+from test_format_v2 import BASE, GOLDEN, SEG1, SEG2, SEGMENTS, Cap
 
 from diffckpt.format import FORMAT_VERSION, BaseName, decode_commit
 from diffckpt.lifecycle.compaction import compact
 from diffckpt.loading import load_state
 from diffckpt.segment import decode_segment
 
-GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 V3 = GOLDEN / "v3"
-SEG1 = "diffs/000000000000-000000000002.g000001.seg"
-SEG2 = "diffs/000000000002-000000000004.g000001.seg"
-BASE = BaseName(0, 1)
-SEGMENTS = ["run/" + SEG1, "run/" + SEG2, "segment-zstd.seg",
-            *[f"sharded/ranks/r{r:05d}/{s}" for r in (0, 1) for s in (SEG1, SEG2)]]
-
-Cap = pytest.CaptureFixture[str]
 
 
 def v3(rel: str) -> bytes:
