@@ -4,15 +4,16 @@ of the target it writes to (docs/benchmarks.md, "The writer pipeline"; ``make be
 Records: the gradients of one real backward of GPT-2 124M (``bench/gpu_scale.py``'s model: a
 ``GPT2Config``, no download) under bf16 autocast on the CPU, batch 1 x ``--tokens`` tokens,
 computed before any clock. Most of them are bfloat16-valued float32 tensors, which
-``sharding.narrowed`` stores in 16 bits exactly; the tied embedding's (38.6M parameters, summed
-from the lookup and the head) and the position embedding's stay float32. Random tensors would
+``narrowing.narrowed`` stores in 16 bits exactly; the tied embedding's (38.6M parameters, summed
+from the lookup and the head) is bfloat16-valued but in the rows of the batch's tokens, and is
+stored row-split (format 4); the position embedding's stays float32. Random tensors would
 compress differently and hide zstd's cost. Each record holds them as ``Recorder.record_step``
 does (one AdamW event, the param groups, a small restorable state); every record is the same
 gradients at a new step.
 
 Stages, each timed on its own over ``--records`` records (MB/s of the stored record, median):
 
-- ``narrow``: ``sharding.narrowed`` of every gradient on the CPU (``prepare_record``; MB/s of the
+- ``narrow``: ``narrowing.narrowed`` of every gradient on the CPU (``prepare_record``; MB/s of the
   float32 gradients read). The GPU path narrows on the device instead, off the writer thread.
 - ``pack``: ``tree.pack_parts`` (the safetensors header and views of the tensors).
 - ``decide``: the sample ``compression="auto"`` compresses (256 KiB, one thread), and what
@@ -68,7 +69,7 @@ from provenance import header
 
 from diffckpt import CheckpointOptions
 from diffckpt.capture import group_hyperparams
-from diffckpt.narrowing import narrowed
+from diffckpt.narrowing import is_split, narrowed
 from diffckpt.openseg import OpenSegment
 from diffckpt.options import DEFAULT_WRITE_BATCH
 from diffckpt.runstore import RunStore
@@ -281,6 +282,7 @@ def main() -> None:
     narrow = [narrowed(g) for g in grads]
     fp32_bytes = nbytes(grads)
     kept = [g for g, n in zip(grads, narrow) if n is g]
+    split = [g for g, n in zip(grads, narrow) if is_split(n)]
     recs = [record(step, narrow, groups) for step in range(1, args.records + 1)]
     blobs = [SegmentEncoder({"gen": 1, "after": 0}, "none", 1).encode(r).stored for r in recs]
     stored = sum(len(p) for p in blobs[0])
@@ -288,7 +290,8 @@ def main() -> None:
             f"- model: GPT-2 {args.size} shapes, {sum(g.numel() for g in grads) / 1e6:.1f}M parameters; "
             f"one backward under bf16 autocast at 1 x {args.tokens} tokens",
             f"- a record: {format_bytes(fp32_bytes)} of float32 gradients, {format_bytes(stored)} stored "
-            f"({len(grads) - len(kept)} of {len(grads)} gradients narrowed to bfloat16; float32 kept: "
+            f"({len(grads) - len(kept)} of {len(grads)} gradients narrowed to bfloat16, {len(split)} of them row-split "
+            f"({format_bytes(nbytes(split))} of float32); float32 kept: "
             f"{format_bytes(nbytes(kept))} in {len(kept)} tensors, the largest {max(kept, key=torch.Tensor.numel).numel() / 1e6:.1f}M)"
             if kept else f"- a record: {format_bytes(stored)} stored, every gradient narrowed",
             f"- {args.records} records a run, {batch} a segment; {args.rounds} round(s); zstd workers "
