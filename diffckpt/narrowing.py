@@ -226,7 +226,10 @@ def widened(split: Split, device: torch.device | str | None = None) -> torch.Ten
         raise ValueError(f"a row-split gradient's parts do not fit: high {high.dtype} {tuple(high.shape)}, rows "
                          f"{rows.dtype} {tuple(rows.shape)}, low {low.dtype} {tuple(low.shape)}")
     device = high.device if device is None else device
-    halves = torch.zeros(n_rows, width, 2, dtype=torch.int16, device=device)
-    halves[:, :, _HIGH] = high.to(device).view(torch.int16).view(n_rows, width)
-    halves[rows.to(device), :, _LOW] = low.to(device)
-    return halves.view(torch.float32).view(high.shape)
+    # The cast widens every element exactly (a shift of its bits, NaNs included: replay relies on
+    # it for every 16-bit gradient); the listed rows then get their low halves back.
+    out = high.to(device=device, dtype=torch.float32)
+    bits = out.view(torch.int32).view(n_rows, width)
+    at = rows.to(device)
+    bits[at] = bits[at] | (low.to(device=device, dtype=torch.int32) & 0xFFFF)
+    return out
