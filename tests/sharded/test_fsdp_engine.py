@@ -242,10 +242,8 @@ def test_bfloat16_reduction_is_stored_in_16_bits_and_resumes_bitwise(tmp_path):
     assert _stored_grad_dtypes(root, 0) == {torch.bfloat16} and _stored_grad_dtypes(root, 1) == {torch.bfloat16}
     train(tmp_path / "b", 8, *args, "--root", str(root), "--resume")
     assert_same_pieces(tmp_path / "ref", tmp_path / "b")
-    # Clipping that engages rescales them in float32: then they are kept in 32 bits.
-    clipped = tmp_path / "clipped"
-    train(tmp_path / "c", 3, "--bf16", "--micro", "1", "--root", str(clipped))
-    assert torch.float32 in _stored_grad_dtypes(clipped, 0)
+    # Clipping that engages rescales them in float32, which the bits show: then they are kept in
+    # 32 bits (decided per tensor from its bits, tests/core/test_narrowing.py).
 
 
 @pytest.mark.slow  # a benchmark's smoke run: its code paths are the sharded tests above
