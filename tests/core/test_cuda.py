@@ -58,10 +58,11 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def test_the_host_stage_narrows_gradients_on_the_device_as_the_host_would() -> None:
-    """Each float32 gradient of a record is copied in bfloat16 where that is exact, decided on the
-    device: the host gets, bit for bit, what ``narrowed`` gives on the contiguous float32 copies the
-    stage made before. The flags come back in one small pinned buffer of the pool; the record's
-    buffers keep their dtype; a second record reuses every pinned buffer."""
+    """Each float32 gradient of a record is copied in bfloat16 where that is exact, and row-split
+    where it is but in a few rows, decided on the device: the host gets, bit for bit, what
+    ``narrowed`` gives on the contiguous float32 copies the stage made before. The flags (one a
+    row) come back in one small pinned buffer of the pool; the record's buffers keep their dtype;
+    a second record reuses every pinned buffer, the split one's low rows included."""
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     def randn(*shape: int) -> torch.Tensor:
@@ -105,8 +106,8 @@ def test_the_host_stage_narrows_gradients_on_the_device_as_the_host_would() -> N
     assert is_split(got[-1]) and got[-1]["rows"].tolist() == [3, 150]
     assert _same(buffers_of_record["bn"], buffer.cpu())
     flags = [b for b in buffers if b.dtype == torch.bool]
-    # float32, not empty: 8 of 10, one flag each and 300 for the embedding's rows
-    assert len(flags) == 1 and flags[0].shape == (7 + 300,) and flags[0].is_pinned()
+    # a flag per row of the 8 float32 ones that are not empty (one row below two dimensions)
+    assert len(flags) == 1 and flags[0].shape == (64 + 1 + 9 + 1 + 1 + 6 + 6 + 300,) and flags[0].is_pinned()
     stage.release(buffers)
     again, _, more = staged()
     assert [b.data_ptr() for b in more] == [b.data_ptr() for b in buffers]  # the pool's
