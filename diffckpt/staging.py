@@ -9,10 +9,11 @@ stream itself. Past the pool's bound (:func:`pinned_bound`) it copies into ordin
 is slower but never blocks on the pool; so it does for bases (see :meth:`HostStage.to_host`).
 
 A record's gradients are narrowed on the device first (``narrowing.py``): the side stream
-computes, for every float32 gradient, whether its low 16 bits are all zero; the writer thread
-reads all those flags back with one small copy (one per GPU) and then copies each gradient's
-bfloat16 halves, or the gradient itself. The host gets exactly what narrowing it there would have
-given, with half the bytes over the bus and none of the host's time.
+computes, for each row of every float32 gradient, whether its low 16 bits are all zero; the
+writer thread reads all those flags back with one small copy (one per GPU) and then copies each
+gradient's bfloat16 halves (with the low halves of its float32-valued rows where it is stored
+row-split), or the gradient itself. The host gets exactly what narrowing it there would have
+given, with only the bytes stored over the bus and none of the host's time.
 
 Device memory held by records is bounded by the writer queue: a record's device tensors count
 in ``max_pending_bytes`` from the commit until the writer has staged them, which it does as soon
@@ -35,7 +36,7 @@ from typing import Any
 
 import torch
 
-from .narrowing import high_halves, low_rows, narrowable, plan, row_flags
+from .narrowing import high_halves, low_rows, narrowable, plan, row_flags, shape_rows
 from .recordprep import narrow_gradients
 
 __all__ = ["PINNED_CAP", "PINNED_SHARE", "PINNED_UNKNOWN", "HostStage", "PinnedPool", "memory_limit",
@@ -216,7 +217,7 @@ class HostStage:
                     high = copied(high_halves(obj))
                     if not len(rows):
                         return high
-                    return {"high": high, "rows": rows, "low": copied(low_rows(obj, rows), (obj.shape[0], obj.numel() // obj.shape[0]))}
+                    return {"high": high, "rows": rows, "low": copied(low_rows(obj, rows), shape_rows(obj))}
             if isinstance(obj, dict):
                 return {k: move(v) for k, v in obj.items()}
             if isinstance(obj, list):
@@ -254,7 +255,7 @@ class HostStage:
             done.synchronize()
             at = 0
             for g in group:
-                n = g.shape[0] if g.dim() >= 2 else 1
+                n = shape_rows(g)[0]
                 rows = plan(g, host[at:at + n])
                 at += n
                 if rows is not None:

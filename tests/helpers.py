@@ -75,16 +75,18 @@ def kill_tree(pid: int) -> None:
 
 
 def run_script(script: str, args: list[str], kill_at_step: int | None = None, timeout: float = 300,
-               prefix: list[str] | None = None, env: dict[str, str | None] | None = None
-               ) -> tuple[int, str]:
+               prefix: list[str] | None = None, env: dict[str, str | None] | None = None,
+               drain: bool = False) -> tuple[int, str]:
     """Run a training script; with ``kill_at_step``, SIGKILL it once it prints ``STEP <n>`` with
     ``n >= kill_at_step`` (steps can advance by more than one, e.g. with two optimizers).
 
-    ``env`` is merged over :func:`subprocess_env`; a ``None`` value removes that variable."""
+    ``env`` is merged over :func:`subprocess_env`; a ``None`` value removes that variable.
+    ``drain``: the log also holds what the script printed before the kill landed and was not read
+    yet (on a loaded machine a tiny model may be several steps past ``kill_at_step`` by then)."""
     cmd = (prefix or [sys.executable]) + [os.path.join(ROOT, script), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=script_env(env), start_new_session=True)
-    lines = read_output(proc, kill_at_step)
+    lines = read_output(proc, kill_at_step, drain)
     rc = proc.wait(timeout=timeout)
     return rc, "".join(lines)
 

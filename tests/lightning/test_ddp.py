@@ -63,7 +63,9 @@ def test_ddp_resume_from_explicit_step(step, ddp_full_run, ddp_reference, tmp_pa
         assert_bitwise_equal(ddp_reference[rank], resumed[rank])
 
 
-@pytest.mark.slow  # make soak: auto-tuning under DDP is killed and resumed under Accelerate's loop by default
+# make soak: rank 0's reviews reach every DDP rank in tests/core/test_base_by_bytes.py, and an auto-tuned
+# run is killed and resumed bitwise by default in tests/lightning/test_autotune_lightning.py and Accelerate's.
+@pytest.mark.slow
 def test_ddp_auto_tuned_kill9_resume_is_bitwise_identical_on_every_rank(ddp_reference, tmp_path):
     """Settings on "auto": rank 0 decides at each review and rank 1 adopts (broadcast), so both
     take the same restorable steps (else their per-rank state gathers would hang)."""

@@ -108,7 +108,8 @@ class _Training:
 def test_kill9_and_resume_last_with_credentials_from_the_environment(tmp_path, s3_bucket, reference):  # noqa: F811
     """``DiffCheckpoint(dirpath="s3://…")`` configured by the environment alone, as users do."""
     args = ["adamw", str(tmp_path / "killed.pt"), "--dirpath", s3_bucket.url]
-    rc, log = run_script(SCRIPT, args, kill_at_step=13, env=s3_bucket.env)
+    # Drained: the last step printed before the kill landed, which may be past 13 on a loaded machine.
+    rc, log = run_script(SCRIPT, args, kill_at_step=13, env=s3_bucket.env, drain=True)
     assert rc == -9, log[-3000:]
     killed_at = _steps(log)[-1]
 
@@ -116,8 +117,11 @@ def test_kill9_and_resume_last_with_credentials_from_the_environment(tmp_path, s
                          env=s3_bucket.env)
     assert rc == 0, log[-3000:]
     restored = int(re.search(r"diffckpt: restored step (\d+) from s3://", log).group(1))
-    # A step recorded after validation prints its STEP line again when resumed.
-    assert restored <= killed_at and _resumed_steps(log)[0] in (restored, restored + 1), (restored, killed_at)
+    # The kill may land after a step was recorded and before its STEP line (hence + 1); the
+    # node-local tier loses at most the step in flight and the one before it. A step recorded
+    # after validation prints its STEP line again when resumed.
+    assert killed_at - 2 <= restored <= killed_at + 1, (restored, killed_at)
+    assert _resumed_steps(log)[0] in (restored, restored + 1), (restored, killed_at)
     assert_bitwise_equal(reference("adamw"), torch.load(tmp_path / "resumed.pt", weights_only=False))
 
     keys = _layout(s3_bucket)

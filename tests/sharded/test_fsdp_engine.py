@@ -171,6 +171,10 @@ def test_the_example_resumes_bit_exact():
     assert "killed the job with SIGKILL after step 7" in log and "bit-exact" in log and "NOT" not in log
 
 
+# make soak: each rank's stream is a run root under ranks/ written through fsspec like any other, so the
+# sharded tests above on local disk, tests/storage/test_s3_engine.py (writers on S3) and the Lightning S3
+# kill -9 test (credentials from the environment in a subprocess) cover its parts by default.
+@pytest.mark.slow
 def test_s3_per_rank_writers(reference, s3_bucket, tmp_path):
     url = s3_bucket.url  # the subprocesses find moto through the environment, as users configure S3
     train(tmp_path / "a", STEPS, "--root", url, kill_at=7)
@@ -182,7 +186,7 @@ def test_s3_per_rank_writers(reference, s3_bucket, tmp_path):
 
 
 # make soak: retention trims every rank's stream in the test below, and every rank follows rank 0's
-# auto-tuned settings in Accelerate's ddp_auto kill -9 test (tests/accelerate/test_accelerate_training.py)
+# auto-tuned settings in tests/core/test_base_by_bytes.py (the review's broadcast under DDP)
 @pytest.mark.slow
 def test_auto_tuning_and_retention_beside_sharded_training(reference, tmp_path):
     root = tmp_path / "run"
