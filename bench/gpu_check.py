@@ -585,7 +585,7 @@ def report(parts: list[Part], info: dict[str, Any]) -> str:
                       "|---|---:|---:|---:|---:|---|"]
             for c, r in ov.details["runs"].items():
                 w, steps = r.get("writer", {}), sorted(r.get("step_ms") or [0.0])
-                per = max(1, w.get("records", 0))
+                per = max(1, w.get("appended") or w.get("records", 0))  # records a spool took (committed: fewer when paced)
                 lines.append(f"| {c} | {dash(w.get('stage_seconds', None) and 1000 * w['stage_seconds'] / per, '.0f')} | "
                              f"{dash(w.get('append_seconds', None) and 1000 * w['append_seconds'] / per, '.0f')} | "
                              f"{steps[len(steps) // 2]:.0f} | {steps[-1]:.0f} | "

@@ -346,6 +346,7 @@ class BackgroundWriter:
         self.stats.stage_seconds += staged_at - began
         try:
             self._open.add(record, journal=False)  # a full disk: a StorageError naming the folder
+            self.stats.appended += 1
         finally:
             self.stage.release(staged)
             self.stats.append_seconds += time.monotonic() - staged_at

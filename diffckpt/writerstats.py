@@ -12,7 +12,8 @@ class WriterStats:
     """Counters for reports, metrics and benchmarks. The ``*_seconds`` of the writer thread's
     stages say which one holds a record back when training waits for the writer (``stall_seconds``)."""
 
-    records: int = 0
+    records: int = 0  # records committed to the run root (paced: fewer, when bases supersede segments)
+    appended: int = 0  # records encoded and appended to their spools: every record handed over
     segments: int = 0
     bases: int = 0
     segment_bytes: int = 0

@@ -103,7 +103,7 @@ def test_paced_training_never_waits_and_the_run_root_takes_bases_instead(tmp_pat
     assert written == ["bases/000000000000.g000001/COMMIT", "diffs/000000000000-000000000001.g000001.seg",
                        "bases/000000000010.g000001/COMMIT", "diffs/000000000010-000000000011.g000001.seg",
                        "diffs/000000000011-000000000012.g000001.seg"]
-    assert stats.bases == 2 and stats.records == 3
+    assert stats.bases == 2 and stats.records == 3 and stats.appended == STEPS  # every record went to a spool
     assert _journaled(tmp_path) == []  # the parked segments went once base 10 was durable
     thread.join(10)
     for step in (0, 1, 10, 11, 12):
