@@ -30,7 +30,8 @@ End to end, with default options:
   part after ``prepare_record`` (encode, hash beside the write, append);
 - ``writer``: a ``BackgroundWriter`` with ``CheckpointOptions()`` writing the float32 records to a
   run root on the target (narrowing on the CPU, the node-local tier's journal, segments committed
-  with ``fsync`` in the commit thread), from the first ``put_record`` until ``flush`` returns.
+  with ``fsync`` in the commit thread, cut at ``write_batch`` records or ``options.SEGMENT_BYTES``:
+  one record a segment at 124M), from the first ``put_record`` until ``flush`` returns.
 
 Raw, measured in the same run on the same target: the same stored bytes written to new files,
 ``write_batch`` records a file, from one thread (one ``writev`` per record) and from
@@ -71,7 +72,7 @@ from diffckpt import CheckpointOptions
 from diffckpt.capture import group_hyperparams
 from diffckpt.narrowing import is_split, narrowed
 from diffckpt.openseg import OpenSegment
-from diffckpt.options import DEFAULT_WRITE_BATCH
+from diffckpt.options import DEFAULT_WRITE_BATCH, SEGMENT_BYTES, segment_records
 from diffckpt.runstore import RunStore
 from diffckpt.segment import ZSTD_THREADS, SegmentEncoder, zstd_shortens
 from diffckpt.storage import FsspecStorage, Spool
@@ -294,7 +295,9 @@ def main() -> None:
             f"({format_bytes(nbytes(split))} of float32); float32 kept: "
             f"{format_bytes(nbytes(kept))} in {len(kept)} tensors, the largest {max(kept, key=torch.Tensor.numel).numel() / 1e6:.1f}M)"
             if kept else f"- a record: {format_bytes(stored)} stored, every gradient narrowed",
-            f"- {args.records} records a run, {batch} a segment; {args.rounds} round(s); zstd workers "
+            f"- {args.records} records a run, {batch} a segment (raw files, spools, `OpenSegment`), "
+            f"{segment_records(batch, stored)} a segment in the writer (cut at {format_bytes(SEGMENT_BYTES)}); "
+            f"{args.rounds} round(s); zstd workers "
             f"{ZSTD_THREADS}, parallel spool writers {WRITERS}"]
     print("\n".join(info), flush=True)
 

@@ -13,8 +13,8 @@ from .policyoptions import AUTO, BY_BYTES, RetentionPolicy, RetryPolicy, TuningO
 __all__ = ["BY_BYTES", "DEFAULT_BASE_EVERY_DIFF_BYTES_RATIO", "DEFAULT_BASE_EVERY_N_STEPS",
            "DEFAULT_EVERY_N_STEPS", "DEFAULT_FINGERPRINT_EVERY_N_STEPS", "DEFAULT_RETENTION",
            "DEFAULT_WRITE_BATCH", "NOT_GIVEN_BASE_EVERY_N_STEPS", "NOT_GIVEN_EVERY_N_STEPS",
-           "NOT_GIVEN_WRITE_BATCH", "Auto", "BaseEvery", "ByBytes", "CheckpointOptions", "NotGiven",
-           "merge_options"]
+           "NOT_GIVEN_WRITE_BATCH", "SEGMENT_BYTES", "Auto", "BaseEvery", "ByBytes", "CheckpointOptions",
+           "NotGiven", "merge_options", "segment_records"]
 
 Auto = Literal["auto"]
 """A knob left to the auto-tuner."""
@@ -29,6 +29,21 @@ BaseEvery = int | Auto | ByBytes | None
 # tuner's starting point all read them from here.
 DEFAULT_EVERY_N_STEPS = 1
 DEFAULT_WRITE_BATCH = 8
+# A segment is also cut once its records hold this many bytes, whatever ``write_batch``: at GPT-2
+# 124M a record is ~240 MiB, and 8 of them a segment left the run root idle until 2 GB were
+# appended, then held the last 2 GB back at a flush, and let a node loss take 8 steps while the
+# run root kept up. Segments this size still make few objects (the per-object cost, a request and
+# an fsync, is small beside 64 MiB), and small records still batch by ``write_batch``.
+SEGMENT_BYTES = 64 << 20
+
+
+def segment_records(write_batch: int, record_bytes: float) -> int:
+    """The records a segment holds when each records ``record_bytes``: ``write_batch``, or fewer
+    once they reach :data:`SEGMENT_BYTES` (the writer cuts after the record that reaches it)."""
+    if record_bytes <= 0:
+        return write_batch
+    return max(1, min(write_batch, math.ceil(SEGMENT_BYTES / record_bytes)))
+
 # A fixed step count cannot suit every model: 500 steps of dense GPT-2-small gradients are about
 # 170 full checkpoints to replay. Sized by bytes, a restore reads at most about this many bases'
 # worth of diffs, and the extra bases cost 1/ratio of the diff bytes written.
@@ -64,7 +79,9 @@ class CheckpointOptions:
     Attributes:
         every_n_steps: a restorable point every this many optimizer steps. Gradients are recorded
             at every step regardless, since replay needs all of them.
-        write_batch: consecutive step records written to storage as one segment.
+        write_batch: consecutive step records written to storage as one segment, at most: a
+            segment is also cut once its records hold 64 MiB (``SEGMENT_BYTES``), so that large
+            models' steps reach the run root one or two at a time.
         base_every_n_steps: ``"bytes"`` (the default): a full base once the step records written
             since the last base add up to ``base_every_diff_bytes_ratio`` times a base's size, so
             that a restore never reads much more than that many full checkpoints of diffs

@@ -28,7 +28,7 @@ from .lifecycle.footprint import session_projection
 from .lifecycle.maintenance import Maintenance
 from .localtier import merge_for_rank
 from .locate import Located, locate
-from .lossbound import loss_bound
+from .lossbound import Restating, loss_bound
 from .options import BY_BYTES, CheckpointOptions
 from .policies import IntervalPolicy, StepContext
 from .replay import ReplayResult
@@ -77,7 +77,7 @@ class Recorder:
         self._buffer_names: list[str] = []
         self._durable: int | None = None
         self._base_nbytes = 0  # bytes of the newest base handed to the writer
-        self._projected = False  # the session's storage projection is logged (first record)
+        self._restating = Restating()  # when the loss bound is stated (its first record, then as it settles)
         self._streams = 1  # rank streams under the run root, each writing about as much as this one
         self._based_at = time.perf_counter()  # when the newest base was handed over (times the first step)
         self.kept = KeptSteps(self.storage, self.after_written, lambda: self.durable_step)  # framework saves' steps
@@ -129,7 +129,7 @@ class Recorder:
         self.writer.before_wait = self.capture.end_leases
         self.tuning.start(step, self.writer, self._base_bytes_now)
         self._prev_step = self._last_base = step
-        self._base_nbytes, self._projected = 0, False
+        self._base_nbytes, self._restating = 0, Restating()
         world, run = int((meta or {}).get("world_size", 1)), ShardedRun(self.storage)
         self._streams = world if self.stream is not self.store else 1
         o, writer = self.options, self.writer
@@ -259,8 +259,8 @@ class Recorder:
         nbytes = step_bytes + tree_nbytes(record["state"]) + tree_nbytes(record.get("fingerprint_params", []))
         stalled = writer.stats.stall_seconds
         writer.put_record(record, nbytes, leases, HostStage.mark(record))
-        if not self._projected:
-            self._project(nbytes / (step - self._prev_step), (entered - self._based_at) / (step - self._prev_step))
+        if (due := self._restating.record(step - self._prev_step, nbytes, entered, self._based_at)) is not None:
+            self._project(*due)
         self.tuning.stepped(step, nbytes)
         self._prev_step = step
         if self.maintenance is not None:
@@ -302,16 +302,16 @@ class Recorder:
         self.tuning.note_base(done - start - (writer.stats.stall_seconds - stalled), nbytes, done)
 
     def _project(self, step_bytes: float, step_s: float) -> None:
-        """Log once per session, at its first record, what each failure loses (``lossbound.py``;
-        the metrics too) and what the run will take on storage (``lifecycle/footprint.py``)."""
-        self._projected, writer, o = True, self.writer, self.options
+        """State what each failure loses (``lossbound.py``; the metrics too) when it changed, and
+        at the session's first record what the run will take on storage (``lifecycle/footprint.py``)."""
+        writer, o = self.writer, self.options
         assert writer is not None
         base, sized = max(self._base_nbytes, self._base_bytes_now()), self.tuning.settings.base_every_n_steps
         every = BY_BYTES if sized is None and o.base_every_n_steps == BY_BYTES else sized  # sized after this record
         writer.state_loss(loss_bound(o, writer.journal is not None, writer.write_batch, writer.stats.durable_bps,
                                      self.stream.storage.url, step_s=step_s, record_bytes=step_bytes,
                                      base_bytes=base, base_every=every))
-        if self.collects_garbage:
+        if self.collects_garbage and self._restating.records == 1:
             log.info("diffckpt: %s", session_projection(o, sized, step_bytes, base, self._streams))
 
     def flush(self, timeout: float | None = None) -> int | None:

@@ -33,7 +33,7 @@ from .journalfile import sweep_dead_once
 from .leases import Lease, reading
 from .lossbound import LossBound
 from .openseg import OpenSegment
-from .options import CheckpointOptions
+from .options import SEGMENT_BYTES, CheckpointOptions
 from .outage import Outage
 from .recordprep import prepare_record
 from .runstore import RunStore, loss_path
@@ -83,7 +83,7 @@ class BackgroundWriter:
         self.journal = place_for(options.local_dir, store.storage.url, session)
         if options.local_dir is not None:  # what dead processes left on this node, once a process
             sweep_dead_once(resolve_local_dir(options.local_dir))
-        self.loss: LossBound | None = None  # what each failure loses, stated at the first record
+        self.loss: LossBound | None = None  # what each failure loses, as stated last
         self.journaled_step: int | None = None  # the newest step in the local tier
         self.journaled_restorable: int | None = None  # ... and the newest a resume there takes back
         self.outage = Outage(store.storage.url, options, self.stats)
@@ -144,9 +144,12 @@ class BackgroundWriter:
         self._put("retarget", write_batch, 0)  # in order: records queued before keep the old rule
 
     def state_loss(self, bound: LossBound) -> None:
-        """Take what each failure loses (stated at the first record): logged, in the metrics, and
+        """Take what each failure loses (stated at the first record, then as measurements settle:
+        ``lossbound.Restating``) unless it says what was stated: logged, in the metrics, and
         written for ``diffckpt ls`` (``sessions/g<gen>.loss.json``) by the writer thread, which cuts no
         segment for it (as :meth:`call` would)."""
+        if self.loss is not None and self.loss.same_steps(bound):
+            return
         self.loss = bound
         log.info("diffckpt: %s", bound.text)
         self._put("note", (loss_path(self.gen), json.dumps(dataclasses.asdict(bound)).encode()), 0)
@@ -331,7 +334,8 @@ class BackgroundWriter:
                 self.journaled_restorable = self.journaled_step
         finally:
             self._handoff.journaled()
-        if restorable and (self._cut_next or len(self._open) >= self.write_batch):
+        if restorable and (self._cut_next or len(self._open) >= self.write_batch
+                           or self._open.spool.size >= SEGMENT_BYTES):
             self._cut_next = False
             self._write_segment(wait=False)
 

@@ -22,6 +22,7 @@ from fsspec.implementations.memory import MemoryFile
 from fsspec.spec import AbstractBufferedFile
 
 from ..errors import CheckpointNotFoundError, StorageError, UnsupportedConfigurationError
+from .localwrite import write_file
 from .protocol import Buffer, Data, as_bytes, data_size
 from .retry import is_transient
 from .spool import Spool, temporary_spool
@@ -218,15 +219,17 @@ class FsspecStorage:
             raise explain(exc, "create", f"{self.url}/{path}") from exc
 
     @staticmethod
-    def _write_local(full: str, parts: Iterable[Buffer], exclusive: bool = False) -> bool:
+    def _write_local(full: str, parts: Iterable[Buffer] | Spool, exclusive: bool = False) -> bool:
         directory = os.path.dirname(full)
         os.makedirs(directory, exist_ok=True)
         tmp = os.path.join(directory, f".{os.path.basename(full)}.{uuid.uuid4().hex[:8]}.tmp")
         try:
-            with open(tmp, "wb") as fh:
-                fh.writelines(parts)  # buffers (or a spool's chunks) go out without being joined
-                fh.flush()
-                os.fsync(fh.fileno())
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            try:
+                write_file(fd, parts)  # buffers, never joined; a spool, copied by the kernel
+                os.fsync(fd)
+            finally:
+                os.close(fd)
             if exclusive:
                 try:
                     os.link(tmp, full)  # atomic, and fails if the name exists

@@ -194,12 +194,18 @@ class Spool:
         if self._map is not None:
             self._map.cut(size)
 
-    def chunks(self, size: int = 8 << 20) -> Iterator[bytes]:
-        """The content, in order, ``size`` bytes at a time (the last chunk may be shorter)."""
+    def chunks(self, size: int = 8 << 20, from_offset: int = 0) -> Iterator[bytes]:
+        """The content from ``from_offset`` on, in order, ``size`` bytes at a time (the last
+        chunk may be shorter)."""
         if size <= 0:
             raise ValueError(f"chunk size must be positive, not {size}")
-        for pos in range(0, self.size, size):
+        for pos in range(from_offset, self.size, size):
             yield self.read_at(pos, min(size, self.size - pos))
+
+    def fileno(self) -> int:
+        """The spool's open file (for a copy in the kernel: ``storage/localwrite.py``); its first
+        :attr:`size` bytes are the content."""
+        return int(self._file.fileno())
 
     def __iter__(self) -> Iterator[bytes]:
         """:meth:`chunks`: a storage that only knows lists of buffers can write a spool too."""

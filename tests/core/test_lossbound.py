@@ -11,8 +11,9 @@ import pytest
 from engine_runs import FaultyStorage, make, optimizer_step
 
 from diffckpt import CheckpointEngine, CheckpointOptions
-from diffckpt.lossbound import loss_bound
+from diffckpt.lossbound import Restating, loss_bound
 from diffckpt.metrics import CheckpointMetrics
+from diffckpt.options import segment_records
 
 MB = 1 << 20
 
@@ -38,10 +39,19 @@ def test_a_slow_run_root_loses_a_base_interval_and_two_base_writes() -> None:
 
 
 def test_a_segment_being_written_when_a_base_comes_counts_when_it_is_the_larger() -> None:
-    # 8 records of 20 MB (160 MB) in flight, then the 100 MB base: 2.6 s at 100 MB/s, 26 steps
-    b = loss_bound(CheckpointOptions(), True, 8, 100 * MB, "file:///run", step_s=0.1, record_bytes=20 * MB,
-                   base_bytes=100 * MB, base_every=10)
-    assert b.node_steps == 10 + 26
+    # 8 records of 8 MB (64 MB, one segment) in flight, then the 50 MB base: 1.14 s at 100 MB/s, 23 steps
+    b = loss_bound(CheckpointOptions(), True, 8, 100 * MB, "file:///run", step_s=0.05, record_bytes=8 * MB,
+                   base_bytes=50 * MB, base_every=10)
+    assert not b.keeps_up and b.node_steps == 10 + 23
+
+
+def test_large_records_are_bounded_by_the_segments_the_writer_cuts_at_segment_bytes() -> None:
+    # 8 records of 40 MiB would be 320 MiB a segment; the writer cuts at 64 MiB: 2 records (80 MiB)
+    assert segment_records(8, 40 * MB) == 2 and segment_records(8, 240 * MB) == 1
+    assert segment_records(8, 1 * MB) == 8 and segment_records(8, 0) == 8
+    b = loss_bound(CheckpointOptions(), True, 8, 800 * MB, "file:///run", step_s=0.1, record_bytes=40 * MB,
+                   base_bytes=500 * MB, base_every=10)
+    assert b.keeps_up and b.node_steps == 2 + 1  # the open segment, and the 0.1 s its 80 MiB take
 
 
 def test_bases_sized_by_bytes_are_sized_as_the_recorder_sizes_them() -> None:
@@ -71,13 +81,15 @@ def test_the_first_record_states_the_bound_in_the_log_and_the_metrics(tmp_path: 
     engine.start(m, o, 0)
     engine.write_base(0, m.state_dict(), [x.state_dict() for x in o], {"x": 0})  # durable: it measures the root
     with caplog.at_level(logging.INFO, logger="diffckpt"):
-        for step in (1, 2):
-            optimizer_step(m, o, step)
-            engine.record_step(step, {"x": step})
-    stated = [r.getMessage() for r in caplog.records if "a process crash loses at most 1 step" in r.getMessage()]
-    assert len(stated) == 1 and "a node loss loses at most" in stated[0], caplog.text
-    metrics = CheckpointMetrics.of(engine.recorder.writer, 2).as_dict()  # type: ignore[arg-type]
-    assert metrics["diffckpt/crash_loss_bound_steps"] == 1 and metrics["diffckpt/node_loss_bound_steps"] >= 1
+        optimizer_step(m, o, 1)
+        engine.record_step(1, {"x": 1})
+        stated = [r.getMessage() for r in caplog.records if "a process crash loses at most 1 step" in r.getMessage()]
+        assert len(stated) == 1 and "a node loss loses at most" in stated[0], caplog.text
+        optimizer_step(m, o, 2)
+        engine.record_step(2, {"x": 2})  # stated again only if its steps changed (the second step is faster)
+    writer = engine.recorder.writer  # type: ignore[union-attr]
+    metrics = CheckpointMetrics.of(writer, 2).as_dict()  # type: ignore[arg-type]
+    assert metrics["diffckpt/crash_loss_bound_steps"] == 1 and metrics["diffckpt/node_loss_bound_steps"] == writer.loss.node_steps
     engine.close()
 
 
@@ -94,4 +106,32 @@ def test_a_slow_run_root_with_bases_sized_by_bytes_states_a_node_bound_at_the_fi
     bound = engine.recorder.writer.loss  # type: ignore[union-attr]
     assert bound is not None and not bound.keeps_up, bound
     assert bound.node_steps is not None and "takes bases" in bound.text, bound.text
+    engine.close()
+
+
+def test_the_bound_is_stated_again_as_the_measurements_settle() -> None:
+    # The first record is timed from the session's first base (a slow first step); the next
+    # statements at records 2, 4, 8, ... and every EVERY records, from what came since the last.
+    r = Restating()
+    due = {n: r.record(1, 10.0 * n, 100.0 + n, first_base_at=98.0) for n in range(1, 10)}
+    assert [n for n, d in due.items() if d is not None] == [1, 2, 4, 8]
+    assert due[1] == (10.0, 3.0) and due[2] == (20.0, 1.0)
+    assert due[4] == pytest.approx((35.0, 1.0)) and due[8] == pytest.approx((65.0, 1.0))  # records 3-4, 5-8
+    later = [n for n in range(10, 3 * Restating.EVERY + 1) if r.record(2, 1.0, 200.0 + n, 0.0) is not None]
+    assert later == [16, 32, 64, 128, 256, 512, 1024, 2048, 3072]
+
+
+def test_a_statement_that_says_the_same_steps_is_not_made_again(tmp_path: Path,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    m, o = make()
+    engine = CheckpointEngine(tmp_path / "run", CheckpointOptions(local_dir=str(tmp_path / "local")))
+    engine.start(m, o, 0)
+    writer = engine.recorder.writer  # type: ignore[union-attr]
+    with caplog.at_level(logging.INFO, logger="diffckpt"):
+        for bound in (_bound(bps=400 * MB), _bound(bps=410 * MB), _bound(bps=100 * MB)):
+            writer.state_loss(bound)
+    stated = [r.getMessage() for r in caplog.records if "a process crash loses" in r.getMessage()]
+    assert len(stated) == 2 and "keeps up" in stated[0] and "takes bases" in stated[1]  # 410 MB/s: 6 steps as 400
+    assert writer.loss.node_steps == 30
+    assert CheckpointMetrics.of(writer, 1).as_dict()["diffckpt/node_loss_bound_steps"] == 30
     engine.close()

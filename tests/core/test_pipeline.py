@@ -13,8 +13,10 @@ import torch
 import zstandard
 from helpers import assert_bitwise_equal
 
-from diffckpt import segment
+from diffckpt import CheckpointOptions, segment, writer
+from diffckpt.format import SegmentName
 from diffckpt.openseg import OpenSegment
+from diffckpt.runstore import RunStore
 from diffckpt.segment import SegmentEncoder, decode_segment, zstd_shortens
 from diffckpt.storage import FsspecStorage, Spool
 
@@ -134,3 +136,28 @@ def test_a_large_record_hashed_beside_its_write_reads_back(tmp_path: Path) -> No
     assert problem is None and [e["step"] for e in header["records"]] == [1, 2]
     assert_bitwise_equal(decoded, records)
     seg.discard()
+
+
+def test_a_segment_is_cut_once_its_records_reach_segment_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Records of 4 MiB against a cut at 6 MiB: two a segment, though write_batch allows 8; small
+    # records after them batch by write_batch again (8 from step 5). Every record reads back.
+    monkeypatch.setattr(writer, "SEGMENT_BYTES", 6 << 20)
+    storage = FsspecStorage(str(tmp_path / "run"))
+    def records() -> list[dict[str, Any]]:  # anew: the writer lets go of the gradients it wrote
+        return [record(s, incompressible(1 << 20)) for s in range(1, 6)] + [record(s, incompressible(4)) for s in range(6, 16)]
+
+    w = writer.BackgroundWriter(RunStore(storage), 1, CheckpointOptions(write_batch=8, local_dir=None), after=0)
+    try:
+        for r in records():
+            w.put_record(r, 4 << 20)
+        w.flush()
+    finally:
+        w.close()
+    names = sorted(n for n in (SegmentName.parse(p) for p in storage.list("diffs/")) if n is not None)
+    assert [(n.after, n.last) for n in names] == [(0, 2), (2, 4), (4, 12), (12, 15)]
+    decoded = []
+    for n in names:
+        _, part, problem = decode_segment(storage.read(n.path))
+        assert problem is None
+        decoded += part
+    assert_bitwise_equal([r["events"] for r in decoded], [r["events"] for r in records()])

@@ -38,6 +38,7 @@ from diffckpt.storage import (
     as_bytes,
     data_size,
     freespools,
+    localwrite,
     open_spool,
     open_storage,
     ranged,
@@ -373,6 +374,75 @@ def test_a_temporary_spool_is_copied_to_a_local_root_with_the_usual_permissions(
     assert [n.endswith("-free.tmp") for n in os.listdir(private_tmpdir / USER / SPOOL_FOLDER)] == [True]
     spool_module.release_free_spools()
     assert os.listdir(private_tmpdir / USER / SPOOL_FOLDER) == []
+
+
+def _advised(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """The ranges the local writes ask the kernel to write back (the real call is made)."""
+    calls: list[tuple[int, int]] = []
+    real = os.posix_fadvise
+
+    def advise(fd: int, offset: int, length: int, advice: int) -> None:
+        assert advice == os.POSIX_FADV_DONTNEED
+        calls.append((offset, length))
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", advise)
+    return calls
+
+
+@pytest.mark.parametrize("sendfile", ["kernel", "refused"])
+def test_a_spool_copied_to_a_local_root_starts_its_writeback_as_it_goes(
+        tmp_path: Path, private_tmpdir: Path, monkeypatch: pytest.MonkeyPatch, sendfile: str) -> None:
+    # A temporary spool is copied (in the kernel where sendfile can, else through the process),
+    # in pieces smaller than the spool, the writeback of each 64 KiB started behind the copy.
+    monkeypatch.setattr(localwrite, "WRITEBACK_EVERY", 64 << 10)
+    monkeypatch.setattr(localwrite, "_SEND", 40 << 10)
+    sent: list[int] = []
+    real_send = os.sendfile
+
+    def send(out_fd: int, in_fd: int, offset: int, count: int) -> int:
+        if sendfile == "refused":
+            raise OSError(errno.EINVAL, "Invalid argument")
+        sent.append(count)
+        return real_send(out_fd, in_fd, offset, count)
+
+    monkeypatch.setattr(os, "sendfile", send)
+    advised = _advised(monkeypatch)
+    storage = FsspecStorage(str(tmp_path / "run"))
+    spool = temporary_spool(HINT)
+    data = payload(300_000)
+    spool.append([data[:100_000], data[100_000:]])
+    storage.write(FINAL, spool)
+    assert storage.read(FINAL) == data
+    assert len(sent) == (8 if sendfile == "kernel" else 0)  # 300,000 bytes in 40 KiB pieces
+    assert [o for o, _ in advised] == sorted({o for o, _ in advised}) and advised[0][0] == 0
+    # behind the copy: what fsync is left to write is less than an interval and a piece
+    assert 0 <= len(data) - sum(n for _, n in advised) < (64 << 10) + (40 << 10)
+    spool.discard()
+
+
+def test_a_base_written_to_a_local_root_from_buffers_starts_its_writeback(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(localwrite, "WRITEBACK_EVERY", 64 << 10)
+    advised = _advised(monkeypatch)
+    real_write = os.write
+    monkeypatch.setattr(os, "write", lambda fd, view: real_write(fd, view[:50_000]))  # short writes
+    storage = FsspecStorage(str(tmp_path / "run"))
+    data = payload(200_000)
+    storage.write(FINAL, [data[:1], memoryview(data)[1:150_000], data[150_000:]])
+    assert storage.read(FINAL) == data and advised and advised[0][0] == 0
+
+
+def test_a_spool_whose_file_was_cut_short_is_not_committed(
+        tmp_path: Path, private_tmpdir: Path) -> None:
+    storage = FsspecStorage(str(tmp_path / "run"))
+    spool = temporary_spool(HINT)
+    spool.append([payload(100_000)])
+    os.truncate(spool.path, 60_000)  # someone cut the file the spool's bytes were in
+    with pytest.raises(StorageError, match="ends at byte 60000"):
+        storage.write(FINAL, spool)
+    assert not storage.exists(FINAL) and os.listdir(tmp_path / "run" / "diffs") == []
+    spool.discard()
 
 
 def test_wrappers_spool_beside_the_target_of_their_folder(tmp_path: Path) -> None:
