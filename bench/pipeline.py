@@ -364,6 +364,14 @@ def main() -> None:
     print(f"written: {out}")
 
 
+def records_ratio(figures: dict[str, Any], rates: dict[str, float]) -> float:
+    """The ``BackgroundWriter``'s records a second against those the target takes of the float32
+    records as handed over, written raw with ``fsync``: whether narrowing and the rest of the
+    pipeline cost more time than the bytes they save (the stored-bytes ratio above counts the
+    narrowing against the writer, and not the bytes it saved)."""
+    return (rates["writer"] / figures["record_bytes"]) / (rates["raw+fsync"] / figures["fp32_bytes"])
+
+
 def report(figures: dict[str, Any], info: list[str], args: argparse.Namespace) -> list[str]:
     st = figures["stages"]
     lines = ["", "# The writer pipeline", "", *info, "",
@@ -391,8 +399,9 @@ def report(figures: dict[str, Any], info: list[str], args: argparse.Namespace) -
         lines.append(f"- {n} ({t['folder']}): `OpenSegment.add` at {r['openseg'] / r['raw']:.0%} of raw "
                      f"({r['openseg']:,.0f} of {r['raw']:,.0f} MB/s; target {TARGET_RATIO:.0%}: "
                      f"{'pass' if r['openseg'] >= TARGET_RATIO * r['raw'] else 'miss'})"
-                     + (f", `BackgroundWriter` at {r['writer'] / r['raw+fsync']:.0%} of raw with fsync"
-                        if "writer" in r else "")
+                     + (f", `BackgroundWriter` at {r['writer'] / r['raw+fsync']:.0%} of raw with fsync "
+                        f"(records a second: {records_ratio(figures, r):.0%} of the float32 records written raw "
+                        "with fsync)" if "writer" in r else "")
                      + f"; auto chose {'/'.join(t['decided'])} (zstd would shorten the write: {t['zstd_would_shorten']}); "
                      f"large appends settled on {t['spool_writers']} thread(s)")
     return lines

@@ -160,8 +160,14 @@ def terminate_at_step(script: str, args: list[str], at_step: int, prefix: list[s
             sent_after = int(line.split()[1])
             proc.send_signal(signal.SIGTERM)
     rc = proc.wait(timeout=timeout)
-    last = max((int(line.split()[1]) for line in lines if line.startswith("STEP ")), default=-1)
-    return rc, "".join(lines), sent_after, last
+    return rc, "".join(lines), sent_after, last_step("".join(lines))
+
+
+def last_step(log: str) -> int:
+    """The last ``STEP <n>`` a script printed (-1: none). Of a run killed with
+    ``run_script(..., drain=True)``: the step it had reached when the kill landed, which on a
+    loaded machine may be several past ``kill_at_step``, since the test reads the log late."""
+    return max((int(line.split()[1]) for line in log.splitlines() if line.startswith("STEP ")), default=-1)
 
 
 def run_training(script: str, args: list[str], prefix: list[str] | None = None, **kw: Any) -> str:
