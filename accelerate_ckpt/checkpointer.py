@@ -144,7 +144,7 @@ class DiffCheckpointer(LoopCheckpointer):
             raise DiffCkptError("track the data loader accelerator.prepare returned: its position "
                                 "and generators are what a resume restores")
         if index not in self._loaders:
-            tracked = TrackedDataLoader(self, dataloader, index)
+            tracked = TrackedDataLoader(self, dataloader, index, self.accelerator)
             tracked.resume = self._resume_for(index)
             self._loaders[index] = tracked
         return self._loaders[index]

@@ -14,12 +14,17 @@ again and dropped.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from diffckpt.integration import END, TrackedLoader, set_epoch_start_state, set_rng_state
+from accelerate import Accelerator
 
-if TYPE_CHECKING:
-    from .checkpointer import DiffCheckpointer
+from diffckpt.integration import (
+    END,
+    LoopCheckpointer,
+    TrackedLoader,
+    set_epoch_start_state,
+    set_rng_state,
+)
 
 __all__ = ["TrackedDataLoader"]
 
@@ -32,11 +37,12 @@ class TrackedDataLoader(TrackedLoader):
     with :meth:`DiffCheckpointer.dataloader`.
     """
 
-    owner: DiffCheckpointer
-
-    def __init__(self, owner: DiffCheckpointer, dataloader: Any, index: int) -> None:
+    def __init__(self, owner: LoopCheckpointer, dataloader: Any, index: int, accelerator: Accelerator) -> None:
         super().__init__(owner, dataloader)
         self.index = index  # in accelerator._dataloaders
+        # The owner's Accelerator, handed over rather than read off the owner (a DiffCheckpointer,
+        # whose module imports this one): it skips the consumed batches of a resumed epoch.
+        self._accelerator = accelerator
 
     def __getattr__(self, name: str) -> Any:  # batch_size, dataset, ... of the wrapped loader
         if name == "dataloader":
@@ -82,7 +88,7 @@ class TrackedDataLoader(TrackedLoader):
         if skip:
             # The skipping loader draws the epoch's order at its first batch; the RNG continues
             # from the record only after that.
-            it = iter(self.owner.accelerator.skip_first_batches(dl, skip))
+            it = iter(self._accelerator.skip_first_batches(dl, skip))
             first = next(it, END)
             set_rng_state(resume["rng"])  # type: ignore[index]
             return it, first

@@ -13,16 +13,15 @@ from __future__ import annotations
 import logging
 import os
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
+from accelerate import Accelerator
 
 from diffckpt.errors import IncompatibleCheckpointError
+from diffckpt.integration import CheckpointEngine
 
-if TYPE_CHECKING:
-    from .checkpointer import DiffCheckpointer
-
-__all__ = ["SaveStateHooks"]
+__all__ = ["SaveStateHooks", "SaveStateOwner"]
 
 log = logging.getLogger("diffckpt")
 
@@ -35,10 +34,25 @@ def _why(output_dir: str) -> str:
     return f"save_state({output_dir})"
 
 
+class SaveStateOwner(Protocol):
+    """What the hooks use of their checkpointer (a ``DiffCheckpointer``): a protocol, as the
+    checkpointer's module imports this one and this one does not import it back."""
+
+    accelerator: Accelerator
+    module: torch.nn.Module  # the unwrapped model, whose weights a reference stands for
+    engine: CheckpointEngine
+    url: str  # the run root
+    step: int  # optimizer steps taken
+
+    def base_now(self) -> int | None: ...
+
+    def restore_reference(self, url: str, step: int) -> int: ...
+
+
 class SaveStateHooks:
     """Accelerate's save/load pre-hooks and the registered reference of one checkpointer."""
 
-    def __init__(self, owner: DiffCheckpointer) -> None:
+    def __init__(self, owner: SaveStateOwner) -> None:
         self.owner = owner
         self.referenced: int | None = None  # the step the last save_state made durable
         acc = owner.accelerator

@@ -7,8 +7,9 @@ Encoding, compression and I/O happen in the background writer.
 
 from __future__ import annotations
 
+import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -18,10 +19,14 @@ from .leases import GradientLeases, Lease
 from .pausable import Pausable
 from .sharding import local
 
-if TYPE_CHECKING:
-    from .snapshot import DeferredCopy
+__all__ = ["PendingCopy", "StepCapture", "clone_tree", "group_hyperparams", "tree_nbytes"]
 
-__all__ = ["StepCapture", "clone_tree", "group_hyperparams", "tree_nbytes"]
+
+class PendingCopy(Protocol):
+    """A base's host copies still under way (``snapshot.DeferredCopy``), as the next step waits
+    for them: a protocol, as snapshot.py imports this module and this one does not import it back."""
+
+    done: threading.Event  # set once the copies are made (or failed)
 
 
 _SCALARS = frozenset({int, float, bool, str, type(None)})
@@ -113,7 +118,7 @@ class StepCapture(Pausable):
         self._paused = False
         self._depth = [0] * len(self.optimizers)
         self._update_start = 0.0
-        self._copying: list[DeferredCopy] = []  # a base's host copies the next step must wait for
+        self._copying: list[PendingCopy] = []  # a base's host copies the next step must wait for
         self.copy_s = 0.0  # time spent copying gradients since the last take()
         self.update_s = 0.0  # time the optimizer updates took since the last take()
         self._handles = []
@@ -178,7 +183,7 @@ class StepCapture(Pausable):
                 raise GradientMutatedError(lease.failure)
         return [lease for lease in taken if not lease.ended]
 
-    def wait_before_step(self, copying: DeferredCopy | None) -> None:
+    def wait_before_step(self, copying: PendingCopy | None) -> None:
         """Make the next ``optimizer.step()`` wait for ``copying`` (a base's host copies)."""
         if copying is not None:
             self._copying.append(copying)

@@ -12,7 +12,7 @@ import json
 import logging
 import time
 from collections.abc import Generator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .errors import CheckpointNotFoundError, ConcurrentWriterError, CorruptRecordError
 from .format import FORMAT_VERSION, BaseName, SegmentName, checksum_for, decode_commit
@@ -20,9 +20,6 @@ from .inventory import Inventory, RestorePlan
 from .prefetch import Preparer
 from .recordreads import ReadStats, RecordReader
 from .storage import Storage
-
-if TYPE_CHECKING:  # tree imports torch, which `diffckpt ls` and `gc` do without: imported where records are read
-    pass
 
 __all__ = ["RUN_FILE", "RunStore", "loss_path", "session_path", "tuning_path"]
 

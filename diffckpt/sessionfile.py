@@ -13,7 +13,7 @@ import dataclasses
 import os
 import socket
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -21,14 +21,27 @@ from .codecs.compressor import GradientCompressor
 from .compat import qualname
 from .errors import UnsupportedConfigurationError
 from .options import CheckpointOptions
+from .runstore import RunStore
 from .shardedrun import ShardedRun
 from .sharding import local
+from .storage import Storage
 
 if TYPE_CHECKING:
     from .coordination import Coordination
-    from .recorder import Recorder
 
-__all__ = ["open_sharded_session", "recorded_device", "session_body", "training_device", "training_meta"]
+__all__ = ["SessionOwner", "open_sharded_session", "recorded_device", "session_body", "training_device",
+           "training_meta"]
+
+
+class SessionOwner(Protocol):
+    """What opening a sharded session uses of the process's recorder (``recorder.Recorder``): a
+    protocol, as the recorder imports this module and this one does not import it back."""
+
+    options: CheckpointOptions
+    storage: Storage  # the run root
+    store: RunStore  # the run root's sessions, where rank 0 claims the session
+    stream: RunStore  # where this process writes: set to its rank's stream
+    collects_garbage: bool  # set where retention runs (rank 0)
 
 
 def session_body(options: CheckpointOptions, step: int, meta: dict[str, Any]) -> dict[str, Any]:
@@ -90,7 +103,7 @@ def training_meta(module: torch.nn.Module, optimizers: list[torch.optim.Optimize
         "device": training_device(module)}
 
 
-def open_sharded_session(coord: Coordination, recorder: Recorder, meta: dict[str, Any], step: int,
+def open_sharded_session(coord: Coordination, recorder: SessionOwner, meta: dict[str, Any], step: int,
                          table: Any) -> tuple[int, dict[str, Any]]:
     """Open a sharded session (every rank calls): rank 0 claims it on the run root, naming the
     world size, every rank gets its generation (or rank 0's error) and ``recorder`` writes this

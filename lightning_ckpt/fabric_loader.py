@@ -11,12 +11,9 @@ and then restores the RNG as the record left it.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from diffckpt.integration import END, TrackedLoader, set_epoch_start_state, set_rng_state
-
-if TYPE_CHECKING:
-    from .fabric import FabricCheckpointer
 
 __all__ = ["TrackedFabricLoader"]
 
@@ -29,8 +26,6 @@ class TrackedFabricLoader(TrackedLoader):
     previous batch trained is committed then, once the scheduler and anything else between the
     batches (evaluation, logging) has run.
     """
-
-    owner: FabricCheckpointer
 
     @property
     def _inner(self) -> Any:

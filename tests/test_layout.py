@@ -1,5 +1,5 @@
 """The package's layout: no import circle in the core or any adapter package (function-level
-imports included), module sizes, and the engine's public surface built by composition."""
+and type-only imports included), module sizes, and the engine's public surface built by composition."""
 
 from __future__ import annotations
 
@@ -21,15 +21,15 @@ def _modules() -> dict[str, Path]:
 
 
 def _imports(mod: str, path: Path, known: dict[str, Path]) -> set[str]:
-    """The package modules ``mod`` imports anywhere in its code (functions too), except under
-    ``if TYPE_CHECKING:``; a parent package of ``mod`` does not count (Python imports it first)."""
+    """The package modules ``mod`` imports anywhere in its code (functions too), type-only imports
+    (under ``if TYPE_CHECKING:``) as well: a helper types what it is handed by a protocol of what
+    it uses, not by its caller's class. A parent package of ``mod`` does not count (Python
+    imports it first)."""
     tree = ast.parse(path.read_text())
-    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-                   for n in ast.walk(node)}
     is_pkg = path.name == "__init__.py"
     found = set()
     for node in ast.walk(tree):
-        if id(node) in typing_only or not isinstance(node, (ast.Import, ast.ImportFrom)):
+        if not isinstance(node, (ast.Import, ast.ImportFrom)):
             continue
         names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
         if isinstance(node, ast.ImportFrom):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from diffckpt.errors import IncompatibleCheckpointError
 from diffckpt.integration import (  # the recorded state's key, which the hf-trainer export reads
@@ -19,10 +19,8 @@ from diffckpt.integration import (  # the recorded state's key, which the hf-tra
     get_rng_state,
 )
 
-if TYPE_CHECKING:
-    from .callback import DiffCheckpointCallback
-
-__all__ = ["StepState", "load_callback_states", "load_trainer_state", "load_window", "trainer_state_json"]
+__all__ = ["StepOwner", "StepState", "load_callback_states", "load_trainer_state", "load_window",
+           "trainer_state_json"]
 
 
 # The Trainer's running loss window and FLO counter (attributes set in _inner_training_loop, not
@@ -60,10 +58,21 @@ def trainer_state_json(trainer: Any, log_cache: list[str]) -> str:
     return '{"log_history": [' + ", ".join(log_cache) + "], " + json.dumps(rest, sort_keys=True)[1:]
 
 
+class StepOwner(Protocol):
+    """What a step's state reads of its callback (a ``DiffCheckpointCallback``), when the step is
+    recorded: a protocol, as the callback's module imports this one and this one does not import
+    it back."""
+
+    trainer: Any  # the Trainer the callback runs in
+    epoch_rng: dict[str, Any] | None  # this rank's RNG at the current epoch's start
+    epoch_generator: Any  # and its loader's shuffling generator's state, if it has one
+    log_cache: list[str]  # log_history entries encoded as JSON (see trainer_state_json)
+
+
 class StepState:
     """The engine's view of the Trainer's state at a step (see ``diffckpt.engine.FrameworkState``)."""
 
-    def __init__(self, owner: DiffCheckpointCallback, point: str) -> None:
+    def __init__(self, owner: StepOwner, point: str) -> None:
         self.owner = owner
         self.point = point  # "epoch" or "step": the loop event this rank's RNG is taken at
 

@@ -18,11 +18,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-from .spool import Spool  # a leaf: spool.py imports nothing of this module at run time
+from .spool import Spool  # spool.py imports nothing of this module
+from .spoolwrite import Buffer  # checksums.py's, as every storage module takes it
 
 __all__ = ["Buffer", "Data", "InspectableStorage", "Storage", "as_bytes", "data_size", "is_storage"]
 
-Buffer = bytes | memoryview
 Data = bytes | Sequence[Buffer] | Spool
 
 

@@ -24,16 +24,13 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import StorageError
 from .freespools import KEEP_FREE, fill, keep, release_free_spools, seen, take
 from .nodelocal import lock, locked, open_private, private_folder, user_folder
 from .spoolmap import AHEAD, MAP_MIN, MAPPABLE, FileMap
-from .spoolwrite import target_of, views_of, write_at
-
-if TYPE_CHECKING:  # protocol.py imports this module (Data includes Spool): no import back at run time
-    from .protocol import Buffer
+from .spoolwrite import Buffer, target_of, views_of, write_at
 
 __all__ = ["KEEP_FREE", "SPOOL_FOLDER", "Spool", "open_spool", "ranged", "read_range", "release_free_spools",
            "remove_dead_spools", "spool_folder", "temporary_spool"]

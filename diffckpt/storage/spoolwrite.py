@@ -28,13 +28,14 @@ import os
 import threading
 from collections.abc import Sequence
 from concurrent import futures
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # protocol.py imports spool.py, which imports this module
-    from .protocol import Buffer
+# One definition, in checksums.py (a leaf): the storage modules take it from here, and
+# ``diffckpt.storage.protocol.Buffer`` re-exports it.
+from ..checksums import Buffer
 
-__all__ = ["CHUNK", "PARALLEL_MIN", "RETRIAL", "TRIALS", "WRITERS", "Target", "helpers", "pieces", "target_of",
-           "views_of", "write_at"]
+__all__ = ["CHUNK", "PARALLEL_MIN", "RETRIAL", "TRIALS", "WRITERS", "Buffer", "Target", "helpers", "pieces",
+           "target_of", "views_of", "write_at"]
+
 
 PARALLEL_MIN = 64 << 20
 """Appends at least this large may go out from several threads; smaller ones always go from the
