@@ -433,6 +433,25 @@ def test_a_base_written_to_a_local_root_from_buffers_starts_its_writeback(
     assert storage.read(FINAL) == data and advised and advised[0][0] == 0
 
 
+@pytest.mark.parametrize("sendfile", ["kernel", "refused"])
+def test_a_spool_copied_to_a_full_disk_names_it_and_leaves_nothing(
+        small_disk: Any, private_tmpdir: Path, monkeypatch: pytest.MonkeyPatch, sendfile: str) -> None:
+    def refuse(*_: Any) -> int:
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    if sendfile == "refused":  # the copy goes through the process
+        monkeypatch.setattr(os, "sendfile", refuse)
+    disk = small_disk(64 * 1024)
+    storage = FsspecStorage(str(disk / "run"))
+    spool = temporary_spool(HINT)
+    spool.append([payload(200_000)])  # three times what the disk has free
+    with pytest.raises(StorageError, match="the disk is full"):
+        storage.write(FINAL, spool)
+    assert not storage.exists(FINAL) and os.listdir(disk / "run" / "diffs") == []  # no temporary file left
+    assert spool.read_at(0, spool.size) == payload(200_000)  # the spool keeps the bytes for a retry
+    spool.discard()
+
+
 def test_a_spool_whose_file_was_cut_short_is_not_committed(
         tmp_path: Path, private_tmpdir: Path) -> None:
     storage = FsspecStorage(str(tmp_path / "run"))
