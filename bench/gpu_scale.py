@@ -97,6 +97,7 @@ def batches(args: argparse.Namespace, batch: int) -> Any:
     import torch
 
     _, _, _, vocab, ctx = SIZES[args.size]
+    ctx = getattr(args, "tokens", None) or ctx  # scale.py --tokens: shorter sequences, the same model
     g = torch.Generator(device=args.device).manual_seed(1)
     while True:
         yield torch.randint(0, vocab, (batch, ctx), device=args.device, generator=g)
@@ -105,9 +106,13 @@ def batches(args: argparse.Namespace, batch: int) -> Any:
 def step_fn(args: argparse.Namespace, model: Any, opt: Any) -> Any:
     import torch
 
+    # scale.py --fp32: no autocast, for a CPU without bfloat16 kernels (an AVX2 one took 37 s a
+    # step at 124M with it, 1.8 s without)
+    fp32 = getattr(args, "fp32", False)
+
     def step(ids: Any) -> None:
         opt.zero_grad(set_to_none=True)
-        with torch.autocast(args.device, dtype=torch.bfloat16):
+        with torch.autocast(args.device, dtype=torch.bfloat16, enabled=not fp32):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()

@@ -361,7 +361,8 @@ def train_lightning(args: argparse.Namespace, model: Any, opt: Any, root: str, s
 
     if ckpt is not None:
         sampler.probe = lambda: ckpt.engine.recorder.writer.queued_bytes
-    trainer = L.Trainer(max_steps=last, accelerator="cpu", devices=1, precision="bf16-mixed", logger=False,
+    trainer = L.Trainer(max_steps=last, accelerator="cpu", devices=1, precision="32" if args.fp32 else "bf16-mixed",
+                        logger=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         enable_checkpointing=ckpt is not None,  # DiffCheckpoint is a ModelCheckpoint
                         callbacks=[Timer(), *([ckpt] if ckpt else [])],
@@ -451,7 +452,8 @@ def run_child(what: str, config: str, rundir: str, args: argparse.Namespace, rep
     cmd = [sys.executable, os.path.abspath(__file__), "--child", what, "--config", config, "--rundir", rundir,
            "--result", result, "--size", args.size, "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--batch", str(args.batch), "--threads", str(args.threads), "--steps-replayed", str(replayed),
-           "--base-step", str(base_step)]
+           "--base-step", str(base_step), *(["--tokens", str(args.tokens)] if args.tokens else []),
+           *(["--fp32"] if args.fp32 else [])]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False)
     if proc.returncode != 0:
         tail = proc.stdout[-3000:]
@@ -815,6 +817,10 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of every run")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--batch", type=int, default=1, help="sequences per step (of the size's context length)")
+    ap.add_argument("--fp32", action="store_true", help="train without bf16 autocast (a CPU without bfloat16 "
+                    "kernels); Lightning runs use precision 32 then")
+    ap.add_argument("--tokens", type=int, help="tokens per sequence (default: the size's context, 1024). Fewer "
+                    "make steps cheaper on a slow CPU while the model, its records and its restores keep their size")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the training process")
     ap.add_argument("--configs", default=",".join(CONFIGS),
                     help="comma-separated; none, diffckpt, diffckpt-nolocal, lightning, lightning-none, torch-save-N, dcp-N")
@@ -882,7 +888,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     info = [*header(f"lightning {L.__version__}, transformers {transformers.__version__}",
                     f" (training processes: {args.threads})"),
             f"- model: GPT-2 {args.size} shapes ({layers} layers, width {dim}), {params / 1e6:.1f}M parameters "
-            f"(fp32), bf16 autocast, AdamW; batch {args.batch} x {ctx} tokens",
+            f"(fp32), {'no autocast (--fp32)' if args.fp32 else 'bf16 autocast'}, AdamW; batch {args.batch} x "
+            f"{args.tokens or ctx} tokens",
             f"- {args.warmup} untimed + {args.steps} timed steps per run; {args.rounds} interleaved round(s), "
             f"order rotated, a fresh process per run; run directories under {'--workdir' if args.workdir else 'a temp dir'}"]
     try:

@@ -11,13 +11,14 @@ from typing import Any
 
 import torch
 
+from .baseload import ReplayTarget
 from .errors import UnsupportedConfigurationError
 from .inventory import RestorePlan
-from .replay import ReplayResult, ReplayTarget, replay
+from .replay import ReplayResult, replay
 from .runstore import RunStore
 from .sessionfile import recorded_device
 
-__all__ = ["replay_plan"]
+__all__ = ["read_base_on", "replay_plan"]
 
 
 def _optimizer_class(qualname: str, allow_modules: tuple[str, ...]) -> type[torch.optim.Optimizer]:
@@ -32,6 +33,19 @@ def _optimizer_class(qualname: str, allow_modules: tuple[str, ...]) -> type[torc
     return cls
 
 
+def read_base_on(store: RunStore, plan: RestorePlan, device: str) -> tuple[dict[str, Any], Any]:
+    """``(commit info, state tree)`` of ``plan``'s base, its tensors read straight into new
+    tensors on ``device``; a step's 0-dim counters stay on the CPU, where optimizers keep them.
+    What :func:`replay_plan` is given."""
+    info, state = store.open_base(plan.base)
+    if torch.device(device).type == "cpu":
+        return info, state.fill()
+    tensors = [t for t in state.skeleton["model"].values() if isinstance(t, torch.Tensor)]
+    tensors += [t for opt in state.skeleton["optimizers"] for entries in opt.get("state", {}).values()
+                if isinstance(entries, dict) for t in entries.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
+    return info, state.fill({id(t): torch.empty(t.shape, dtype=t.dtype, device=device) for t in tensors})
+
+
 def replay_plan(store: RunStore, plan: RestorePlan, *, device: str | None = "cpu", verify: bool = True,
                 allow_modules: tuple[str, ...] = ("torch.",),
                 loaded: tuple[dict[str, Any], Any] | None = None) -> dict[str, Any]:
@@ -39,16 +53,18 @@ def replay_plan(store: RunStore, plan: RestorePlan, *, device: str | None = "cpu
     choose) onto tensors and optimizers built here.
 
     ``diffckpt verify --deep`` replays each base up to the next one to compare them.
-    ``loaded`` is the base's ``(commit info, state tree)`` if the caller already read it.
-    ``device=None``: the device type the base's session trained on (:func:`recorded_device`).
+    ``loaded`` is the base's ``(commit info, state tree)`` if the caller already read it
+    (:func:`read_base_on`): its tensors on ``device`` become the state replayed and returned,
+    with no copy. ``device=None``: the device type the base's session trained on
+    (:func:`recorded_device`).
 
     Returns:
         what :func:`diffckpt.load_state` returns.
     """
-    info, base = loaded if loaded is not None else store.load_base(plan.base)
     meta = store.session_meta(plan.base.gen)
     device = recorded_device(meta) if device is None else device
-    model = {k: v.to(device).clone() for k, v in base["model"].items()}
+    info, base = loaded if loaded is not None else read_base_on(store, plan, device)
+    model = {k: v.to(device) for k, v in base["model"].items()}  # the base's own tensors: one copy of the state
     names = [name for name, _ in meta["parameters"]]
     aliases = meta.get("aliases") or {}
     for key, name in aliases.items():  # a tied weight is the parameter itself during replay

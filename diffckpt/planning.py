@@ -9,6 +9,7 @@ Where a step lies when a run root holds sharded sessions too is decided once, ab
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from .errors import CheckpointNotFoundError, CorruptRecordError
@@ -76,8 +77,11 @@ def plan_for(inv: Inventory, base: BaseName, step: int) -> RestorePlan | None:
 
 
 def open_plan(store: RunStore, step: int | None = None, inv: Inventory | None = None,
-              gen: int | None = None) -> tuple[RestorePlan, dict[str, Any], Any]:
-    """Choose a plan for ``step`` (``None``: newest durable) and load its base.
+              gen: int | None = None, read: Callable[[RestorePlan], tuple[dict[str, Any], Any]] | None = None
+              ) -> tuple[RestorePlan, dict[str, Any], Any]:
+    """Choose a plan for ``step`` (``None``: newest durable) and load its base: ``read(plan)``
+    (default: :meth:`RunStore.load_base` of its base), which a restore gives to read the base
+    straight into the live model (:func:`diffckpt.replay.read_base_into`).
 
     Returns ``(plan, commit info, base state tree)``. A base that cannot be used (its COMMIT
     marker is damaged or unreadable, its state file is missing or fails its checksum) is skipped
@@ -96,7 +100,7 @@ def open_plan(store: RunStore, step: int | None = None, inv: Inventory | None = 
     problems: list[str] = []
     for found in candidates(store, step, inv, gen):
         try:
-            info, tree = store.load_base(found.base)
+            info, tree = read(found) if read is not None else store.load_base(found.base)
         except (CorruptRecordError, CheckpointNotFoundError) as exc:
             problems.append(str(exc))
             continue

@@ -12,13 +12,15 @@ from typing import Any
 
 import torch
 
+from .baseload import ReplayTarget, read_base_into
 from .codecs.compressor import GradientCompressor
 from .liveload import load_into_live, modules_of
 from .locate import Located
-from .offline import replay_plan
-from .planning import open_plan
+from .offline import read_base_on, replay_plan
+from .planning import candidates, open_plan
 from .reassembly import full_state, replay_all
 from .replay import ReplayResult, replay
+from .sessionfile import recorded_device
 
 __all__ = ["load_located", "restore_live"]
 
@@ -33,7 +35,9 @@ def load_located(loc: Located, *, device: str | None = "cpu", verify: bool = Tru
         pieces = replay_all(loc.run, loc.sharded, exact=loc.step is not None, device=device, verify=verify,
                             allow_modules=allow_modules)
         return full_state(loc.run, loc.sharded, pieces)
-    plan, info, base = open_plan(loc.store, loc.step, loc.inv)
+    if device is None:  # the device type the session trained on
+        device = recorded_device(_session_meta(loc))
+    plan, info, base = open_plan(loc.store, loc.step, loc.inv, read=lambda found: read_base_on(loc.store, found, device))
     return replay_plan(loc.store, plan, device=device, verify=verify, allow_modules=allow_modules,
                        loaded=(info, base))
 
@@ -54,10 +58,12 @@ def restore_live(loc: Located, module: torch.nn.Module, optimizers: list[torch.o
         result.step, result.state = full["step"], full["state"]
         return result, None
     start = time.perf_counter()
-    plan, info, base = open_plan(loc.store, loc.step, loc.inv)
+    target, meta = ReplayTarget.from_module(module), _session_meta(loc)
+    plan, info, base = open_plan(loc.store, loc.step, loc.inv,
+                                 read=lambda found: read_base_into(loc.store, found, target, optimizers, meta))
     loaded = time.perf_counter()
     with compressor.paused() if compressor else contextlib.nullcontext():
-        result = replay(loc.store, plan, module, optimizers, verify=verify, loaded=(info, base))
+        result = replay(loc.store, plan, target, optimizers, verify=verify, loaded=(info, base))
     replayed = time.perf_counter() - loaded
     log.info("diffckpt: restored step %d from base %d (read in %.2f s): replayed %d steps in "
              "%.2f s (%.1f steps/s, %.1f MiB/s)", result.step, result.base_step, loaded - start,
@@ -69,3 +75,10 @@ def restore_live(loc: Located, module: torch.nn.Module, optimizers: list[torch.o
             states = result.codec_states if result.step == result.base_step else None
             compressor.restore(states[rank] if states and rank < len(states) else None, result.codec_payloads)
     return result, (loaded - start, replayed / result.replayed if result.replayed else None)
+
+
+def _session_meta(loc: Located) -> dict[str, Any]:
+    """What the session of the plain step ``loc`` restores recorded: read before its base, so that
+    a damaged or missing session file is its own error, not a reason to try an older base (every
+    candidate base is of that session, :func:`diffckpt.planning.candidates`)."""
+    return loc.store.session_meta(candidates(loc.store, loc.step, loc.inv)[0].base.gen)

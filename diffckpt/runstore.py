@@ -12,7 +12,7 @@ import json
 import logging
 import time
 from collections.abc import Generator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import CheckpointNotFoundError, ConcurrentWriterError, CorruptRecordError
 from .format import FORMAT_VERSION, BaseName, SegmentName, checksum_for, decode_commit
@@ -20,6 +20,9 @@ from .inventory import Inventory, RestorePlan
 from .prefetch import Preparer
 from .recordreads import ReadStats, RecordReader
 from .storage import Storage
+
+if TYPE_CHECKING:
+    from .basereads import BaseFile
 
 __all__ = ["RUN_FILE", "RunStore", "loss_path", "session_path", "tuning_path"]
 
@@ -145,28 +148,26 @@ class RunStore:
         return meta if isinstance(meta, dict) else {"gen": gen + 1}
 
     # ---------------------------------------------------------------- reading
-    def load_base(self, base: BaseName) -> tuple[dict[str, Any], Any]:
-        """Return ``(commit info, state tree)`` of a committed base, verifying its checksum with
-        the hash algorithm of the marker's format version."""
+    def open_base(self, base: BaseName) -> tuple[dict[str, Any], BaseFile]:
+        """Return ``(commit info, state file)`` of a committed base: its COMMIT marker read and
+        checked, and its state file's header (:class:`~diffckpt.basereads.BaseFile`), whose
+        tensors are read, and verified with the hash algorithm of the marker's format version, by
+        :meth:`~diffckpt.basereads.BaseFile.fill`."""
+        from .basereads import BaseFile  # torch: `diffckpt ls` and `gc` read runs without it
+
         info = decode_commit(self.storage.read(base.commit_path), base.commit_path)
         if info.get("step") != base.step or info.get("gen") != base.gen:
             raise CorruptRecordError(f"{base.commit_path} describes step {info.get('step')} of session "
                                      f"{info.get('gen')}, not its own directory")
         expected = info["files"]["state.safetensors"]
         algorithm = checksum_for(info["format"], f"{base.commit_path}: COMMIT marker")
-        try:
-            data = self.storage.read(base.state_path)
-        except CheckpointNotFoundError:
-            raise CorruptRecordError(
-                f"{base.state_path} is missing although its COMMIT exists; the base is unusable. "
-                "Restore an earlier step or remove the damaged base directory") from None
-        if len(data) != expected["size"] or algorithm.hexdigest(data) != expected[algorithm.key]:
-            raise CorruptRecordError(
-                f"{base.state_path} fails its checksum (size {len(data)}, expected {expected['size']}); "
-                "the base is damaged. Restore an earlier step or verify the storage")
-        from .tree import unpack_tree
+        return info, BaseFile(self.storage, base.state_path, expected["size"], algorithm, expected[algorithm.key])
 
-        return info, unpack_tree(data)
+    def load_base(self, base: BaseName) -> tuple[dict[str, Any], Any]:
+        """Return ``(commit info, state tree)`` of a committed base, verified, its tensors new
+        CPU tensors read straight from the file (:meth:`open_base`, then ``fill``)."""
+        info, state = self.open_base(base)
+        return info, state.fill()
 
     def read_records(self, plan: RestorePlan, *, prefetch: int | None = None,
                      stats: ReadStats | None = None, prepare: Preparer[dict[str, Any]] | None = None

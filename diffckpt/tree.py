@@ -14,6 +14,7 @@ import json
 import math
 import struct
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -23,8 +24,8 @@ import torch
 from .borrowing import borrowed
 from .errors import CorruptRecordError, UnsupportedConfigurationError
 
-__all__ = ["decode_tree", "encode_tree", "pack_tree", "portable", "read_metadata",
-           "unpack_tree"]
+__all__ = ["Layout", "decode_tree", "encode_tree", "header_length", "pack_tree", "portable", "read_layout",
+           "read_metadata", "unpack_tree"]
 
 _META_KEY = "diffckpt.tree"
 
@@ -116,8 +117,9 @@ def _decode(node: Any, tensors: dict[str, torch.Tensor]) -> Any:
         return tuple(_decode(v, tensors) for v in value)
     if tag == "tensor":
         return _tensor(tensors, value)
-    if tag == "ndarray":
-        return _tensor(tensors, value).numpy()
+    if tag == "ndarray":  # a skeleton's (``read_layout``) stays a tensor on the meta device
+        t = _tensor(tensors, value)
+        return t if t.device.type == "meta" else t.numpy()
     if tag == "npscalar":
         return np.dtype(value).type(_decode(rest[0][1], tensors))
     if tag == "float":
@@ -273,6 +275,50 @@ def _load_tensors(buf: bytes | memoryview, header: dict[str, Any], start: int) -
             raw = np.frombuffer(data, dtype=np.uint8, count=end - begin, offset=begin).copy()
             out[name] = torch.from_numpy(raw).view(dtype).reshape(shape)
     return out
+
+
+def header_length(first: bytes | memoryview) -> int:
+    """How many bytes of a :func:`pack_tree` buffer precede its tensor data (the size field and
+    the header), from its first 8 bytes or more."""
+    if len(first) < 8:
+        raise CorruptRecordError("safetensors buffer is truncated (shorter than its header size)")
+    return 8 + struct.unpack_from("<Q", first, 0)[0]
+
+
+@dataclass
+class Layout:
+    """Where a :func:`pack_tree` buffer keeps what, read from its header alone: its tensors'
+    spans in data order (``(begin, end, name, dtype, shape)``, offsets from :attr:`start`) and the
+    tree's structure, which :func:`decode_tree` turns into the tree once tensors exist."""
+
+    start: int
+    spans: list[tuple[int, int, str, torch.dtype, list[int]]]
+    structure: Any
+
+    def skeleton(self) -> tuple[Any, dict[int, str]]:
+        """The tree with a tensor on the meta device in place of each stored one (its dtype and
+        shape, no memory), and the name of each of them by ``id``: what a reader checks, and
+        chooses destinations for, before reading any data."""
+        metas = {name: torch.empty(shape, dtype=dtype, device="meta") for _, _, name, dtype, shape in self.spans}
+        return decode_tree(self.structure, metas), {id(t): name for name, t in metas.items()}
+
+
+def read_layout(head: bytes | memoryview, size: int) -> Layout:
+    """The :class:`Layout` of a :func:`pack_tree` buffer of ``size`` bytes from its first
+    :func:`header_length` bytes (``head``, or more); malformed input raises
+    :class:`CorruptRecordError`."""
+    if size < len(head[:8]) or header_length(head) > size:
+        raise CorruptRecordError("safetensors header runs past the end of the buffer (truncated)")
+    header, start = _read_header(head)
+    meta = _metadata(header)
+    if _META_KEY not in meta:
+        raise CorruptRecordError("buffer has no diffckpt state tree in its metadata")
+    spans = _tensor_spans(header, size - start)
+    try:
+        structure = json.loads(meta[_META_KEY])
+    except (ValueError, RecursionError) as exc:
+        raise CorruptRecordError(f"malformed state tree: {exc}") from None
+    return Layout(start, spans, structure)
 
 
 def unpack_tree(buf: bytes | memoryview) -> Any:

@@ -22,6 +22,7 @@ from fsspec.implementations.memory import MemoryFile
 from fsspec.spec import AbstractBufferedFile
 
 from ..errors import CheckpointNotFoundError, StorageError, UnsupportedConfigurationError
+from .localread import read_file_into
 from .localwrite import write_file
 from .protocol import Buffer, Data, as_bytes, data_size
 from .retry import is_transient
@@ -274,6 +275,18 @@ class FsspecStorage:
         if start < 0 or end < start:
             raise ValueError(f"invalid byte range [{start}, {end}) of {path}")
         return self._guarded("read", path, lambda: self._cat_range(self._full(path), start, end))
+
+    def read_into(self, path: str, start: int, out: memoryview) -> int:
+        """Read bytes ``[start, start + len(out))`` of the object at ``path`` into ``out``; return
+        how many were read (fewer if it ends first). A local file is read straight into ``out``;
+        elsewhere the range is fetched and copied in."""
+        if start < 0:
+            raise ValueError(f"invalid byte offset {start} of {path}")
+        if self.local:
+            return self._guarded("read", path, lambda: read_file_into(self._full(path), start, out))
+        data = self.read_range(path, start, start + out.nbytes)
+        out[: len(data)] = data
+        return len(data)
 
     def _cat_range(self, full: str, start: int, end: int) -> bytes:
         if end == start:  # S3 answers an empty range with the whole object

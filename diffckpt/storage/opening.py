@@ -16,7 +16,7 @@ from ..errors import CheckpointNotFoundError, DiffCkptError
 from .fsspec_storage import FsspecStorage, explain
 from .protocol import Data, InspectableStorage, Storage, is_storage
 from .retry import RetryingStorage, RetryPolicy
-from .spool import Spool, open_spool, ranged, read_range
+from .spool import Spool, open_spool, ranged, read_into, read_range
 
 __all__ = ["open_storage"]
 
@@ -58,6 +58,9 @@ class _Explained:
 
     def read_range(self, path: str, start: int, end: int) -> bytes:
         return self._call("read", path, lambda p: read_range(self.inner, p, start, end))
+
+    def read_into(self, path: str, start: int, out: memoryview) -> int:
+        return self._call("read", path, lambda p: read_into(self.inner, p, start, out))
 
     @property
     def ranged(self) -> bool:

@@ -11,7 +11,7 @@ from typing import Any
 
 from .protocol import Data, InspectableStorage, Storage
 from .retry import RetryingStorage
-from .spool import Spool, open_spool, ranged, read_range
+from .spool import Spool, open_spool, ranged, read_into, read_range
 
 __all__ = ["Prefixed", "substorage"]
 
@@ -45,6 +45,9 @@ class Prefixed:
 
     def read_range(self, path: str, start: int, end: int) -> bytes:
         return read_range(self.inner, self.prefix + path, start, end)
+
+    def read_into(self, path: str, start: int, out: memoryview) -> int:
+        return read_into(self.inner, self.prefix + path, start, out)
 
     @property
     def ranged(self) -> bool:

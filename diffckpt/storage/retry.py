@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ..errors import DiffCkptError, StorageUnavailableError
 from ..policyoptions import RetryPolicy
 from .protocol import InspectableStorage
-from .spool import Spool, open_spool, ranged, read_range
+from .spool import Spool, open_spool, ranged, read_into, read_range
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -146,6 +146,10 @@ class RetryingStorage:
 
     def read_range(self, path: str, start: int, end: int) -> bytes:
         return self._call(f"read {self.url}/{path}", lambda: read_range(self.inner, path, start, end))
+
+    def read_into(self, path: str, start: int, out: memoryview) -> int:
+        """Retried from the start of the range: a failed read leaves nothing of its own in ``out``."""
+        return self._call(f"read {self.url}/{path}", lambda: read_into(self.inner, path, start, out))
 
     @property
     def ranged(self) -> bool:

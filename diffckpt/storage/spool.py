@@ -32,7 +32,7 @@ from .nodelocal import lock, locked, open_private, private_folder, user_folder
 from .spoolmap import AHEAD, MAP_MIN, MAPPABLE, FileMap
 from .spoolwrite import Buffer, target_of, views_of, write_at
 
-__all__ = ["KEEP_FREE", "SPOOL_FOLDER", "Spool", "open_spool", "ranged", "read_range", "release_free_spools",
+__all__ = ["KEEP_FREE", "SPOOL_FOLDER", "Spool", "open_spool", "ranged", "read_into", "read_range", "release_free_spools",
            "remove_dead_spools", "spool_folder", "temporary_spool"]
 
 SPOOL_FOLDER = "spool"
@@ -341,6 +341,20 @@ def read_range(storage: Any, path: str, start: int, end: int) -> bytes:
     if callable(method):
         return bytes(method(path, start, end))
     return bytes(storage.read(path)[start:end])
+
+
+def read_into(storage: Any, path: str, start: int, out: memoryview) -> int:
+    """Read bytes ``[start, start + len(out))`` of the object at ``path`` into ``out`` (a writable
+    byte view, e.g. of a tensor's memory) and return how many were read: fewer where the object
+    ends first. ``storage.read_into`` where the storage has it (a local file is read straight into
+    ``out``, with no copy through the process), else :func:`read_range`, copied in. Raises
+    :class:`~diffckpt.CheckpointNotFoundError` if there is no object."""
+    method = getattr(storage, "read_into", None)
+    if callable(method):
+        return int(method(path, start, out))
+    data = read_range(storage, path, start, start + out.nbytes)
+    out[: len(data)] = data
+    return len(data)
 
 
 def ranged(storage: Any) -> bool:

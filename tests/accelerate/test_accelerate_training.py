@@ -251,6 +251,8 @@ def test_different_model_is_refused_and_the_run_is_untouched(full_run, tmp_path)
     assert sorted(p.name for p in (full_run / "run").rglob("*")) == before
 
 
+# make soak: the kill -9 tests above run the same DiffCheckpointer calls as the example, bitwise.
+@pytest.mark.slow
 def test_example_is_bit_exact(tmp_path):
     """examples/accelerate_train.py (one epoch): reference, SIGKILL, restore("last"), compare."""
     rc, log = run_script("examples/accelerate_train.py", ["--epochs", "1", "--seed", "3"])

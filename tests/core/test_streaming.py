@@ -136,6 +136,7 @@ def test_restore_reads_records_by_range_within_its_window(
         assert_state(truth, result, module, optimizers)
     largest = max(record_sizes)
     assert windows and all(w.peak <= max(prefetch_bytes, largest) for w in windows)
+    reads = [r for r in reads if r[0].startswith("diffs/")]  # the base's header is read by range too
     assert {path for path, _, _ in reads} == {seg(tmp_path, 0, 12).relative_to(tmp_path).as_posix(),
                                                seg(tmp_path, 12, 24).relative_to(tmp_path).as_posix()}
     assert max(end - start for _, start, end in reads) < largest * 2  # records, never a whole segment

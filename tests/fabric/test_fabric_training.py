@@ -96,6 +96,8 @@ def test_sigterm_flushes_every_step_and_exits(config, reference, tmp_path):
         assert_bitwise_equal(want, got, f"rank{r}")
 
 
+# make soak: the kill -9 test above resumes Fabric through the same FabricCheckpointer calls.
+@pytest.mark.slow
 def test_example_resumes_where_it_stopped(tmp_path):
     """examples/fabric_train.py: one epoch, then a second run continues from its last step."""
     run = str(tmp_path / "run")

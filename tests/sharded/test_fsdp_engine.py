@@ -165,6 +165,9 @@ def test_nothing_durable_on_every_rank_is_a_clear_error(tmp_path):
         diffckpt.load_state(root)
 
 
+# make soak: the example trains, kills and resumes as the kill -9 tests of this file do, through the same
+# CheckpointEngine calls; they cover it by default (the suite's 25 minutes on CI's 2 cores).
+@pytest.mark.slow
 def test_the_example_resumes_bit_exact():
     rc, log = run_script("examples/sharded_train.py", ["--steps", "12", "--kill-at", "7"])
     assert rc == 0, log

@@ -42,6 +42,7 @@ from diffckpt.storage import (
     open_spool,
     open_storage,
     ranged,
+    read_into,
     read_range,
     spoolmap,
     spoolwrite,
@@ -616,6 +617,13 @@ def test_read_range_on_each_root_and_through_the_wrappers(ranged_root: FsspecSto
             read_range(storage, path + "-missing", 3, 3)
         with pytest.raises(ValueError):
             read_range(storage, path, 5, 4)
+        for start, length in ((0, 10), (10, 490), (990, 10), (990, 210), (1000, 10), (1200, 5), (5, 0)):
+            out = bytearray(b"\xee" * length)  # reads into the caller's memory; fewer bytes past the end
+            got = read_into(storage, path, start, memoryview(out))
+            assert bytes(out[:got]) == data[start : start + length], (name, start, length)
+            assert out[got:] == b"\xee" * (length - got)
+        with pytest.raises(CheckpointNotFoundError):
+            read_into(storage, path + "-missing", 0, memoryview(bytearray(10)))
 
 
 def test_read_range_of_a_storage_without_ranges_reads_the_whole_object() -> None:
@@ -626,6 +634,8 @@ def test_read_range_of_a_storage_without_ranges_reads_the_whole_object() -> None
     for storage, path in views:
         assert not ranged(storage)
         assert read_range(storage, path, 2, 5) == b"234"
+        out = bytearray(4)
+        assert read_into(storage, path, 8, memoryview(out)) == 2 and out[:2] == b"89"
         # as its read does: the caller's FileNotFoundError, which open_storage's wrapper explains
         missing = CheckpointNotFoundError if isinstance(storage, RetryingStorage) else FileNotFoundError
         with pytest.raises(missing):

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from helpers import run_script
 
 
+# make soak: test_trainer_training.py's kill -9 tests resume the Trainer with the same callback, bitwise.
+@pytest.mark.slow
 def test_example_is_bit_exact():
     rc, log = run_script("examples/transformers_train.py", ["--epochs", "2", "--seed", "3"])
     assert rc == 0 and "bit-exact: yes" in log, log[-3000:]
