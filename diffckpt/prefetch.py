@@ -32,8 +32,8 @@ class Prefetcher(Generic[K, R]):
 
     ``items`` yields ``(item, bytes, counted)`` lazily (it may read storage itself: a segment's
     index before its records); only ``counted`` items count against ``depth`` (whole segments, not
-    the records of a segment read by range, which only the bytes bound limits). One item is always
-    fetched, however large. Replay spends its time in ``optimizer.step()``; without this, each
+    the records of a segment read by range, which only the bytes bound limits). One item with
+    bytes is always fetched, however large, whatever items without bytes (an index) are ahead. Replay spends its time in ``optimizer.step()``; without this, each
     read, checksums and zstd would add to it. Results are taken strictly in order and an error
     raised by a fetch reaches the caller only when it takes that item, so what the caller sees
     does not depend on ``depth``. With ``depth`` 0 each item is fetched on the caller's thread.
@@ -87,7 +87,9 @@ class Prefetcher(Generic[K, R]):
                     return
             key, size, counts = self.upcoming
             counted = sum(1 for _, c, _, _ in self.pending if c)
-            if self.pending and (self.held + size > self.max_bytes or (counts and counted >= self.depth)):
+            # ``held``, not ``pending``: a segment's index (no bytes) ahead must not stop its one
+            # large record from being read while replay works on the record before it
+            if (self.held and self.held + size > self.max_bytes) or (self.pending and counts and counted >= self.depth):
                 return
             self.upcoming = None
             self.pending.append((size, counts, self.pool.submit(self.fetch, key), key))
