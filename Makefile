@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo lint test bench bench-local-tier soak clean gpu-check gpu-wheels
+.PHONY: install demo lint test bench bench-first-step bench-local-tier soak clean gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -50,6 +50,11 @@ bench: $(VENV)/.installed-bench
 	$(BIN)/python bench/restore.py --threads 1  # restore time versus chain length, prefetch on/off
 	$(BIN)/python bench/lifecycle.py --threads 1  # retention and background compaction vs training bases
 	$(BIN)/python bench/sharded.py  # FSDP2 on 2 ranks: diffckpt vs torch.distributed.checkpoint
+
+# Process start to the first training step done after a restart, plain loop and Lightning, diffckpt
+# against torch.load (docs/benchmarks.md, "Restore straight into the model"): about 10 minutes at 124M
+bench-first-step: $(VENV)/.installed-bench
+	$(BIN)/python bench/first_step.py
 
 # The node-local tier (docs/storage.md, "The node-local tier"): kill -9 trials, steps lost with the
 # journal on and off for write_batch 1-64 on local disk and S3 (moto), and the journal's cost per step.

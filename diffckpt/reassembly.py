@@ -57,6 +57,11 @@ def replay_rank(run: ShardedRun, res: Resolution, rank: int, upto: int, *, exact
         raise type(exc)(f"{where}: {exc}") from None
     finally:  # outside the recording block: what is warned here reaches the caller
         for w in caught:
+            if not str(w.message).startswith("diffckpt: "):  # not ours (a ResourceWarning of a file
+                # some other code left open, collected meanwhile): passed on as it came, never
+                # made to name the rank, which would make `diffckpt verify` report it as damage
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+                continue
             text = str(w.message).removeprefix("diffckpt: ")
             warnings.warn(f"diffckpt: {where}: {text}", w.category, stacklevel=3)
     raise CorruptRecordError(f"{where}: no usable base for step {upto} of session g{res.gen}: "

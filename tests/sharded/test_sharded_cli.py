@@ -346,3 +346,23 @@ def test_a_root_with_sharded_and_unsharded_sessions(mixed: Path, trained: tuple[
     assert_is_training_state(full(trained[1], 5), five["model"], five["optimizer"]["state"])
     rc, out, _ = cli(capsys, "export", mixed, "-o", tmp_path / "nine.pt")
     assert rc == 0 and "step 9" in out and "rank streams" not in out
+
+
+def test_a_warning_not_of_diffckpt_during_a_rank_replay_is_not_damage(trained: tuple[Path, Path], capsys: Cap,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ResourceWarning of a file some other code left open, collected while a rank stream
+    replayed, once came out as "diffckpt: rank 0 (ranks/r00000/): unclosed file ..." and made
+    `diffckpt verify` fail a run that has no damage."""
+    import warnings
+
+    from diffckpt import reassembly
+
+    replay_plan = reassembly.replay_plan
+
+    def leaky(*args: Any, **kwargs: Any) -> Any:
+        warnings.warn("unclosed file <_io.TextIOWrapper name=18 encoding='UTF-8'>", ResourceWarning, stacklevel=1)
+        return replay_plan(*args, **kwargs)
+
+    monkeypatch.setattr(reassembly, "replay_plan", leaky)
+    rc, out, _ = cli(capsys, "verify", trained[0])
+    assert rc == 0 and "BAD" not in out, out
