@@ -111,8 +111,9 @@ def _destinations(target: ReplayTarget, optimizers: list[torch.optim.Optimizer],
     for their optimizer state. The rest is read into new CPU tensors."""
     into: dict[int, torch.Tensor] = {}
     taken: set[int] = set()
-    for key, t in skeleton["model"].items() if target.state is not None else ():
-        live = target.state.get(key) if target.state is not None else None
+    state = target.state or {}
+    for key, t in skeleton["model"].items():
+        live = state.get(key)
         if (isinstance(t, torch.Tensor) and isinstance(live, torch.Tensor) and live.dtype == t.dtype
                 and live.shape == t.shape and live.data_ptr() not in taken):
             into[id(t)] = live
