@@ -64,7 +64,7 @@ class CheckpointEngine:
         self.recorder = Recorder(dirpath, options, storage_options)
         self._coord = Coordination(collective)
         self._resumption = Resumption(self._coord)
-        self._restored: tuple[int, Any] | None = None  # (step, state) that resume() replayed
+        self._restored: tuple[int, Any, tuple[int, int] | None] | None = None  # resume()'s step, state, link
         self._compressor: GradientCompressor | None = None
         self._clock: Clock | None = None  # kept after end(): what the last session reached
         self._open = False  # between begin() and end()
@@ -149,8 +149,9 @@ class CheckpointEngine:
         if dirpath is not None and str(dirpath).rstrip("/") != self.storage.url.rstrip("/"):
             recorder = Recorder(dirpath, storage_options=self.storage_options)
         result = self._resumption.resume(recorder, module, optimizers, step, compressor, missing_ok)
-        if result is not None:
-            self._restored = (result.step, result.state)
+        if result is not None:  # a session begun at it continues it: in this run root, without a codec
+            self._restored = (result.step, result.state, result.continues
+                              if recorder is self.recorder and result.codec_config is None else None)
         return result
 
     def newest_step(self) -> int | None:
@@ -243,10 +244,11 @@ class CheckpointEngine:
         """Start checkpointing training that continues from ``step`` (every rank calls).
 
         The writing process opens a session and writes its starting base: the state
-        :meth:`resume` restored when ``step`` is the restored step, else ``source``'s. ``meta``
-        goes into the session record (framework, strategy...). Training that did not
-        :meth:`resume` from a run root holding durable steps gets a warning on rank 0 naming
-        them, with ``resume_hint`` (the framework's way to resume) as its advice.
+        :meth:`resume` restored when ``step`` is the restored step (a session that then continues
+        it and does not wait for that base, unless sharded or compressed: ``planning.py``), else
+        ``source``'s. ``meta`` goes into the session record (framework, strategy...). Training that
+        did not :meth:`resume` from a run root holding durable steps gets a warning on rank 0
+        naming them, with ``resume_hint`` (the framework's way to resume) as its advice.
         """
         if self._open:
             raise DiffCkptError("begin() called twice; end() the running session first")
@@ -264,9 +266,10 @@ class CheckpointEngine:
         if not self._writes():
             self.recorder.join(step)
             return
-        meta = {"torch": torch.__version__, "world_size": self.world_size, **(meta or {})}
-        gen = None
-        rec = self.recorder
+        link = restored[2] if restored is not None and table is None and compressor is None else None
+        meta = {"torch": torch.__version__, "world_size": self.world_size, **(meta or {}),
+                **({"continues": {"gen": link[0], "step": link[1]}} if link else {})}
+        gen, rec = None, self.recorder
         rec.stream, rec.collects_garbage = rec.store, True  # an earlier sharded session's are gone
         if table is not None:  # every rank writes its own stream, in the session the root names
             gen, meta = open_sharded_session(self._coord, rec, meta, step, table)
@@ -331,8 +334,7 @@ class CheckpointEngine:
         The writing process logs how far durability got, as a warning when ``timeout`` bounds
         the flush (an interrupted run).
         """
-        self._open, self._compressor = False, None
-        started = self.started
+        self._open, self._compressor, started = False, None, self.started
         durable = self.close(timeout) if started else self.durable_step
         if started:
             (log.info if timeout is None else log.warning)("diffckpt: %s; durable up to step %s in %s",
@@ -343,10 +345,8 @@ class CheckpointEngine:
     def metrics(self) -> dict[str, float]:
         """The open session's ``diffckpt/*`` metrics for loggers (:mod:`diffckpt.metrics`) on a
         process that writes; empty on the others and outside a session."""
-        writer = self.recorder.writer
-        if writer is None or self._clock is None:
-            return {}
-        return CheckpointMetrics.of(writer, self._clock.recorded).as_dict()
+        writer, clock = self.recorder.writer, self._clock
+        return {} if writer is None or clock is None else CheckpointMetrics.of(writer, clock.recorded).as_dict()
 
     # ---------------------------------------------------------- framework saves
     def when_restorable(self, step: int, fn: Callable[[], Any], *, name: str, wait: bool = False) -> None:
@@ -396,5 +396,5 @@ class CheckpointEngine:
 
     def _base_now(self, step: int, state: Any, codec_states: list[Any] | None) -> None:
         _, capture, module = self.recorder._require()
-        optimizer_states = [o.state_dict() for o in capture.optimizers]
-        self.recorder.write_base(step, module.state_dict(), optimizer_states, state, codec_states)
+        self.recorder.write_base(step, module.state_dict(), [o.state_dict() for o in capture.optimizers], state,
+                                 codec_states)

@@ -20,13 +20,23 @@ __all__ = ["Inventory", "RestorePlan"]
 
 @dataclass
 class RestorePlan:
-    """What to read to rebuild ``target``: one base and the segments after it."""
+    """What to read to rebuild ``target``: one base and the segments after it.
+
+    ``gen`` is the session whose step ``target`` is: the base's own, except for a session that
+    continues another's step and has no committed base yet (:func:`diffckpt.planning.candidates`),
+    whose plan starts from the other session's base and crosses into its own segments.
+    """
 
     base: BaseName
     segments: list[SegmentName]
     target: int
     latest: bool
     sizes: dict[str, int] = field(default_factory=dict)  # encoded bytes per segment path, if listed
+    gen: int = -1  # -1: the base's session
+
+    def __post_init__(self) -> None:
+        if self.gen < 0:
+            self.gen = self.base.gen
 
     def through_target(self) -> list[SegmentName]:
         """The segments up to the one holding ``target``: a plan cut back to an earlier target

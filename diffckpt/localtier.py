@@ -29,6 +29,7 @@ from .format import CHECKSUMS, FORMAT_VERSION, SegmentName
 from .inventory import Inventory
 from .journal import place_for, remove_folder
 from .journalfile import JournalFile, journals, sweep, verified_records
+from .planning import continued_end
 from .runstore import RunStore, session_path
 from .segment import SegmentEncoder
 from .shardedrun import ShardedRun
@@ -110,7 +111,9 @@ def read_local_tier(store: RunStore, local_dir: str | None, fence: Storage | Non
     gen = max(j.gen for j in mine)
     tier.stale += [j for j in mine if j.gen != gen]
     mine = [j for j in mine if j.gen == gen]
+    # A session that continues a restored step journals on from it before its own base is durable
     durable = invs[0].newest_step(gen)
+    durable = continued_end(store, invs[0], gen) if durable is None else durable
     if durable is None:  # the session's first base never became durable: nothing to continue
         tier.stale += mine
         return tier

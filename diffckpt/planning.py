@@ -4,6 +4,13 @@ the first plan that can be loaded.
 
 Where a step lies when a run root holds sharded sessions too is decided once, above this, by
 :func:`diffckpt.locate.locate`; every restore goes through it.
+
+A session that a resume started at a restored step continues that step (its session file's
+``continues``: the session and step restored). Until its own starting base is committed, its
+steps are rebuilt from the session it continues: that session's base and segments up to the
+step, then its own segments. So training goes on at once after a resume, without waiting for the
+new base to be written, and a crash in the meantime loses nothing that the node-local tier
+journaled.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from .format import BaseName
 from .inventory import Inventory, RestorePlan
 from .runstore import RUN_FILE, RunStore
 
-__all__ = ["candidates", "durable_ranges", "open_plan", "plan", "plan_for"]
+__all__ = ["candidates", "continued", "continued_end", "durable_ranges", "open_plan", "plan", "plan_for"]
 
 
 def plan(store: RunStore, step: int | None = None, inv: Inventory | None = None) -> RestorePlan:
@@ -36,7 +43,9 @@ def candidates(store: RunStore, step: int | None = None, inv: Inventory | None =
     For ``None``: each committed base of the newest session with one, ordered by how far its
     chain reaches, then newest base first (least replay). For an explicit step: the bases of the
     newest session that reaches ``step``, newest first. ``gen``: only that session's. ``inv``:
-    a listing already taken (else the stream is listed now).
+    a listing already taken (else the stream is listed now). A newer session without a committed
+    base that continues another's step and has segments after it comes first, planned through
+    that session's bases (see the module).
 
     Raises:
         CheckpointNotFoundError: nothing is committed, or ``step`` is not durable.
@@ -49,6 +58,9 @@ def candidates(store: RunStore, step: int | None = None, inv: Inventory | None =
             continue
         bases = sorted((b for b in inv.bases if b.gen == g), reverse=True)
         if not bases:
+            through = _through_continued(store, inv, g, step)
+            if through:
+                return _sized(through, inv)
             continue
         if step is None:
             plans = [RestorePlan(base, inv.chain(base), inv.chain_end(base), True) for base in bases]
@@ -74,6 +86,61 @@ def plan_for(inv: Inventory, base: BaseName, step: int) -> RestorePlan | None:
         if seg.last >= step:
             return RestorePlan(base, segs, step, False)
     return None
+
+
+def continued(store: RunStore, gen: int) -> tuple[int, int] | None:
+    """``(session, step)`` that session ``gen`` continues (its session file's ``continues``,
+    written by a resume that restored that step in this stream), or ``None``."""
+    try:
+        link = store.session_meta(gen).get("continues")
+    except (CheckpointNotFoundError, CorruptRecordError):  # no session file: it continues nothing
+        return None
+    if not isinstance(link, dict):
+        return None
+    parent, step = link.get("gen"), link.get("step")
+    if not isinstance(parent, int) or not isinstance(step, int) or not 0 < parent < gen:
+        return None
+    return parent, step
+
+
+def continued_end(store: RunStore, inv: Inventory, gen: int) -> int | None:
+    """The newest step of session ``gen``, which has no committed base, that a restore rebuilds
+    through the session it continues: the step it continues, or the end of its own segments
+    after it; ``None`` when it continues nothing, or nothing rebuilds that step."""
+    link = continued(store, gen)
+    if link is None or not _upstream(store, inv, link):
+        return None
+    return inv.chain_end(BaseName(link[1], gen))
+
+
+def _upstream(store: RunStore, inv: Inventory, link: tuple[int, int]) -> list[RestorePlan]:
+    """The plans of session ``link[0]`` for its step ``link[1]`` that a continuing session's
+    segments can follow: those whose own last segment (or base) ends exactly there, as a resume
+    links only to such a step (:attr:`diffckpt.replay.ReplayResult.continues`)."""
+    parent, at = link
+    try:
+        plans = candidates(store, at, inv, parent)
+    except CheckpointNotFoundError:  # the step continued is gone: what continues it cannot be rebuilt
+        return []
+    return [p for p in plans if (p.through_target()[-1].last if p.segments else p.base.step) == at]
+
+
+def _through_continued(store: RunStore, inv: Inventory, gen: int, step: int | None) -> list[RestorePlan]:
+    """Plans for ``step`` of session ``gen`` (no committed base of its own) through the session
+    it continues: every plan of that session for the step continued, followed by ``gen``'s
+    segments after it. Empty when ``gen`` continues nothing, has no segment after the step it
+    continues, or does not reach ``step``."""
+    link = continued(store, gen)
+    if link is None:
+        return []
+    at = link[1]
+    own = inv.chain(BaseName(at, gen))
+    if not own or (step is not None and not at < step <= own[-1].last):
+        return []
+    target = own[-1].last if step is None else step
+    mine = RestorePlan(BaseName(at, gen), own, target, False).through_target()
+    return [RestorePlan(p.base, p.through_target() + mine, target, step is None, gen=gen)
+            for p in _upstream(store, inv, link)]
 
 
 def open_plan(store: RunStore, step: int | None = None, inv: Inventory | None = None,
@@ -107,10 +174,10 @@ def open_plan(store: RunStore, step: int | None = None, inv: Inventory | None = 
         if problems:
             warnings.warn(f"diffckpt: {'; '.join(problems)}; using the older base at step "
                           f"{found.base.step} instead, restoring step {found.target}", stacklevel=4)
-        beyond = [s for s in inv.segments if s.gen == found.base.gen and s.last > found.target]
+        beyond = [s for s in inv.segments if s.gen == found.gen and s.last > found.target]
         if found.latest and beyond:
             warnings.warn(
-                f"diffckpt: nothing continues session g{found.base.gen} after step {found.target} "
+                f"diffckpt: nothing continues session g{found.gen} after step {found.target} "
                 f"(a segment is missing before {beyond[0].path}); its steps up to "
                 f"{max(s.last for s in beyond)} cannot be rebuilt. Restoring step {found.target}, "
                 "the newest step before the gap", stacklevel=4)

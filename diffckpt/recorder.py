@@ -76,6 +76,7 @@ class Recorder:
         self._prev_step = self._last_base = 0
         self._buffer_names: list[str] = []
         self._durable: int | None = None
+        self._continues = False  # the session continues a restored step (planning.py)
         self._base_nbytes = 0  # bytes of the newest base handed to the writer
         self._restating = Restating()  # when the loss bound is stated (its first record, then as it settles)
         self._streams = 1  # rank streams under the run root, each writing about as much as this one
@@ -119,6 +120,7 @@ class Recorder:
         params = dict(module.named_parameters())
         self._buffer_names = [k for k in module.state_dict() if k not in params]
         body = session_body(self.options, step, {**training_meta(module, optimizers, compressor), **(meta or {})})
+        self._continues = "continues" in body  # (a session after a resume: planning.py)
         if self.tuning.restore_timing is not None:
             load_s, replay_s = self.tuning.restore_timing
             body["restore_timing"] = {"base_load_s": load_s, "replay_step_s": replay_s}
@@ -287,14 +289,12 @@ class Recorder:
         missing = [n for n in names if n not in tree["model"]]
         if missing:
             raise DiffCkptError(f"model state for the base lacks parameters {missing[:3]}")
-        stalled = writer.stats.stall_seconds
-        params = [tree["model"][n] for n in names]
-        nbytes = tree_nbytes(tree)
+        stalled, params, nbytes = writer.stats.stall_seconds, [tree["model"][n] for n in names], tree_nbytes(tree)
         writer.put_base(step, tree, params, nbytes, HostStage.mark((tree, params)), copying)
         capture.wait_before_step(copying)
-        if writer.journal is not None and writer.durable_step is None:
-            # The session's first base: its journal continues nothing durable until the base is, so
-            # training waits for it once, or a crash just after a resume loses every step since.
+        if writer.journal is not None and writer.durable_step is None and not self._continues:
+            # The session's first base: its journal continues nothing durable until the base is, so training
+            # waits once, or a crash just after a resume loses every step since (unless it continues one).
             writer.flush()
         self._last_base, self._base_nbytes = step, nbytes
         self.tuning.based(step, nbytes)

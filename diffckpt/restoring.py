@@ -65,6 +65,8 @@ def restore_live(loc: Located, module: torch.nn.Module, optimizers: list[torch.o
     with compressor.paused() if compressor else contextlib.nullcontext():
         result = replay(loc.store, plan, target, optimizers, verify=verify, loaded=(info, base))
     replayed = time.perf_counter() - loaded
+    if result.step == plan.target and plan.target in {plan.base.step, *(seg.last for seg in plan.segments)}:
+        result.continues = (plan.gen, plan.target)
     log.info("diffckpt: restored step %d from base %d (read in %.2f s): replayed %d steps in "
              "%.2f s (%.1f steps/s, %.1f MiB/s)", result.step, result.base_step, loaded - start,
              result.replayed, result.replay_s, result.steps_per_s, result.read_mib_per_s)
@@ -81,4 +83,4 @@ def _session_meta(loc: Located) -> dict[str, Any]:
     """What the session of the plain step ``loc`` restores recorded: read before its base, so that
     a damaged or missing session file is its own error, not a reason to try an older base (every
     candidate base is of that session, :func:`diffckpt.planning.candidates`)."""
-    return loc.store.session_meta(candidates(loc.store, loc.step, loc.inv)[0].base.gen)
+    return loc.store.session_meta(candidates(loc.store, loc.step, loc.inv)[0].gen)

@@ -177,13 +177,12 @@ class Resumption:
         first: dict[str, Any] = {}
 
         def settle() -> int:
-            where = loc if loc is not None and loc.step == step else locate(recorder.storage, step)
-            first["full"] = load_located(where, allow_modules=allow)
+            first["full"] = load_located(self._located(recorder, step, loc), allow_modules=allow)
             return first["full"]["step"]
 
         settled = self.coord.decided(settle, "restore", then="no process was restored")
         full, outcome = self.coord.everyone(
-            lambda: first.get("full") or load_located(locate(recorder.storage, settled), allow_modules=allow))
+            lambda: first.get("full") or load_located(self._located(recorder, settled, None), allow_modules=allow))
         self.coord.outcome(recorder.storage.url, settled, outcome)
         assert full is not None
         load_into_live(module, optimizers, full, pieces=False)
@@ -191,6 +190,12 @@ class Resumption:
                  "it exactly, but not bit-identically to the original run, because the reductions change",
                  full["step"], self.coord.world_size)
         return self._restored_from(recorder, full)
+
+    @staticmethod
+    def _located(recorder: Recorder, step: int | None, loc: Located | None) -> Located:
+        """Where ``step`` lies: rank 0's location of it (one listing for the decision and the
+        restore), else this process's own (a rank that replays the step rank 0 settled)."""
+        return loc if loc is not None and loc.step == step else locate(recorder.storage, step)
 
     @staticmethod
     def _restored_from(recorder: Recorder, loaded: dict[str, Any]) -> ReplayResult:
@@ -206,14 +211,9 @@ class Resumption:
         """Replay ``step`` from ``recorder``'s run root in this process (``None`` if missing_ok
         and nothing is durable yet); ``loc``: where rank 0 located it, if this is rank 0."""
         url = recorder.storage.url
-        if loc is None:
-            loc = locate(recorder.storage, step)
-            if step is None and missing_ok and not loc.is_run:
-                log.info("diffckpt: nothing to restore under %s; starting at step 0", url)
-                return None
         try:
             result = recorder.restore(module, optimizers, step, compressor=compressor, rank=self.coord.rank,
-                                      located=loc)
+                                      located=self._located(recorder, step, loc))
         except CheckpointNotFoundError:
             if step is not None or not missing_ok:
                 raise

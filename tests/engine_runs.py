@@ -68,6 +68,22 @@ def optimizer_step(module: torch.nn.Module, optimizers: list[torch.optim.Optimiz
         o.step()
 
 
+def plain_truth(last: int) -> Truth:
+    """The uninterrupted run's state at steps ``0..last``, trained without diffckpt on one thread
+    (as the training processes of the kill tests do, so that replay here matches bit for bit)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        module, optimizers = make()
+        out = {0: snapshot(module, optimizers, 0)}
+        for step in range(1, last + 1):
+            optimizer_step(module, optimizers, step)
+            out[step] = snapshot(module, optimizers, step)
+        return out
+    finally:
+        torch.set_num_threads(threads)
+
+
 def train_steps(engine: CheckpointEngine, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
                 first: int, last: int, truth: dict[int, dict[str, Any]], every: int | None = 1,
                 before_record: Callable[[CheckpointEngine, int], None] | None = None) -> None:

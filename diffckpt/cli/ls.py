@@ -13,6 +13,7 @@ from ..format import BaseName, decode_commit
 from ..inventory import Inventory
 from ..keptsteps import is_kept_path, read_kept
 from ..localtier import read_local_tier
+from ..planning import continued, continued_end
 from ..policyoptions import BY_BYTES
 from ..runstore import RunStore
 from ..tuning.risk import say_risk
@@ -115,11 +116,15 @@ def describe(store: RunStore, inv: Inventory, local_dir: str | None = None) -> d
             meta: dict[str, Any] = store.session_meta(gen)
         except (ValueError, DiffCkptError):
             meta = {"damaged": True}  # `verify` names it; listing the rest is still useful
-        newest = inv.newest_step(gen)
+        newest, durable = inv.newest_step(gen), inv.durable_spans(gen)
+        link = continued(store, gen) if newest is None else None
+        end = continued_end(store, inv, gen) if link is not None else None
+        if link is not None and end is not None and end > link[1]:  # rebuilt through the step it continues
+            newest, durable = end, [(link[1], end)]
         sessions.append({
             "gen": gen, "started": meta.get("started"), "resumed_from": meta.get("resumed_from"),
             "options": meta.get("options", {}), "optimizers": meta.get("optimizers", []),
-            "framework": meta.get("framework"), "codec": meta.get("codec"), "durable": inv.durable_spans(gen),
+            "framework": meta.get("framework"), "codec": meta.get("codec"), "durable": durable,
             "newest_step": newest, "ckpt_path": None if newest is None else f"{url}/step={newest}",
             "damaged": bool(meta.get("damaged")), "tuning": store.tuning_log(gen), "loss": store.loss_statement(gen)})
     bases: list[dict[str, Any]] = [
@@ -135,9 +140,9 @@ def describe(store: RunStore, inv: Inventory, local_dir: str | None = None) -> d
     diff_bytes = sum(s["bytes"] for s in segments)
     diff_steps = sum(s["steps"] for s in segments)
     total = sum(sizes.values())
-    # What ckpt_path=<root> resumes: the newest session with a base, as planning.plan decides.
-    newest_run = next(({"gen": g, "step": n, "ckpt_path": url} for g in inv.gens()
-                       if (n := inv.newest_step(g)) is not None), None)
+    # What ckpt_path=<root> resumes: the newest session with a durable step, as planning.plan decides.
+    newest_run = next(({"gen": s["gen"], "step": s["newest_step"], "ckpt_path": url} for s in reversed(sessions)
+                       if s["newest_step"] is not None), None)
     avg = round(diff_bytes / diff_steps) if diff_steps else None
     marked, damaged = read_kept(store.storage, [p for p in sizes if is_kept_path(p)])
     d = {

@@ -74,14 +74,14 @@ def compaction_target(store: RunStore, to: int | None) -> tuple[int, int, int]:
     """
     inv = store.inventory()
     plan = planning.plan(store, to, inv)
-    ends = sorted(s.last for s in inv.chain(plan.base))
+    ends = sorted({s.last for s in [*inv.chain(plan.base), *plan.segments]})  # a plan may cross sessions
     if plan.target != plan.base.step and plan.target not in ends:
         near = [s for s in ends if s < plan.target][-3:] + [s for s in ends if s > plan.target][:3]
         raise CheckpointNotFoundError(
             f"step {plan.target} is durable but no segment ends there, so a base at it would not "
             f"continue any chain; compact to a step where a segment ends (near it: {near}; "
             "`diffckpt ls` lists segments)")
-    return plan.base.gen, plan.target, plan.base.step
+    return plan.gen, plan.target, plan.base.step
 
 
 @renamed_kwargs(url="dirpath")

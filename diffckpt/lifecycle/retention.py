@@ -27,6 +27,7 @@ from ..errors import CorruptRecordError, DiffCkptError
 from ..format import BaseName, SegmentName
 from ..inventory import Inventory
 from ..keptsteps import is_kept_path, read_kept
+from ..planning import continued, continued_end
 from ..policyoptions import RetentionPolicy
 from ..rankstreams import RANKS_DIR
 from ..runstore import RunStore, session_path
@@ -200,6 +201,8 @@ def _plan(store: RunStore, policy: RetentionPolicy, now: float, also: Sequence[t
     streams = any(p.startswith(RANKS_PREFIX) for p in details)
     details = {p: v for p, v in details.items() if not p.startswith(RANKS_PREFIX)}
     inv = store.inventory({p: size for p, (size, _) in details.items() if not hidden(p)})
+    waiting = _continuing(store, inv)
+    everything = everything or waiting
     mtimes = {p: t for p, (_, t) in details.items()}
     plan = GcPlan(url=store.storage.url.rstrip("/"), sizes={p: s for p, (s, _) in details.items()})
     needed: set[str] = set()  # base directories
@@ -225,7 +228,7 @@ def _plan(store: RunStore, policy: RetentionPolicy, now: float, also: Sequence[t
         # Beyond a gap in its chain: unrestorable now, but never delete what may be newer than
         # the session's durable state (a missing segment may yet appear, or be restored).
         end = newest[seg.gen]
-        if (end is not None and seg.last <= end) or (end is None and seg.gen < newest_gen):
+        if (end is not None and seg.last <= end) or (end is None and seg.gen < newest_gen and waiting is None):
             plan.segments.append(seg)
         else:
             plan.kept_beyond_gaps.append(seg.path)
@@ -245,6 +248,20 @@ def _plan(store: RunStore, policy: RetentionPolicy, now: float, also: Sequence[t
     if streams:
         plan.streams = _plan_streams(store, policy, now, also, everything)
     return plan
+
+
+def _continuing(store: RunStore, inv: Inventory) -> str | None:
+    """Why every step is kept while the newest session has no committed base of its own and its
+    steps are rebuilt through the step it continues (``diffckpt.planning``); ``None`` otherwise.
+    (That step, and the segments of sessions without a base on the way to it, must stay.)"""
+    for gen in inv.gens():
+        if any(b.gen == gen for b in inv.bases):
+            return None
+        link = continued(store, gen)
+        if link is not None and continued_end(store, inv, gen) is not None:
+            return (f"every step is kept: session g{gen} continues step {link[1]} of session g{link[0]} and "
+                    "has no base of its own yet")
+    return None
 
 
 def _plan_streams(store: RunStore, policy: RetentionPolicy, now: float,

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 import torch
-from engine_runs import OPTIONS, Truth, assert_state, make, optimizer_step, snapshot, train_steps
+from engine_runs import OPTIONS, Truth, assert_state, make, plain_truth, train_steps
 from helpers import subprocess_env
 
 from diffckpt import CheckpointEngine, CheckpointOptions, FsspecStorage
@@ -71,17 +71,7 @@ def one_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def truth() -> Truth:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        module, optimizers = make()
-        out = {0: snapshot(module, optimizers, 0)}
-        for step in range(1, STEPS + 10):
-            optimizer_step(module, optimizers, step)
-            out[step] = snapshot(module, optimizers, step)
-        return out
-    finally:
-        torch.set_num_threads(threads)
+    return plain_truth(STEPS + 9)
 
 
 def frames(data: bytes) -> list[tuple[int, int, dict[str, Any]]]:

@@ -1,0 +1,214 @@
+"""A resumed session goes on training at once: it continues the step restored, and until its own
+starting base is committed its steps are rebuilt through the session it continues.
+
+Session 1 trains to ``FIRST`` (base 0, segments up to it). Session 2 resumes, and its starting
+base's ``state.safetensors`` is held by the storage (a slow disk or object store) while it
+trains on; ``begin`` must not wait for it. The journal (node-local tier) holds the steps after
+the resume; a process killed before the base is written (``kill -9`` of a real process) or a
+``close`` that gives up loses none of them: a resume on the node commits them as session 2's
+segments, and they restore bitwise through session 1's base and segments.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from engine_runs import (
+    OPTIONS,
+    FaultyStorage,
+    Truth,
+    assert_state,
+    make,
+    optimizer_step,
+    plain_truth,
+    restore,
+    train,
+)
+from helpers import subprocess_env
+
+from diffckpt import CheckpointEngine, CheckpointOptions, FsspecStorage, RetentionPolicy, compact
+from diffckpt.cli.ls import describe
+from diffckpt.journal import place_for
+from diffckpt.journalfile import journals
+from diffckpt.lifecycle.retention import plan_gc
+from diffckpt.runstore import RunStore
+
+TESTS = str(Path(__file__).resolve().parent.parent)
+FIRST, LAST = 7, 11  # session 1 ends at FIRST (a segment end); session 2 trains to LAST
+# one base per session (its starting one), so session 2's steps have only session 1's to go through
+SETTINGS = {**OPTIONS, "base_every_n_steps": 1000}
+
+
+class Step:
+    """The framework state of the plain loop here: the step it is at."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def rank_state(self) -> None:
+        return None
+
+    def state(self, ranks: list[Any]) -> dict[str, int]:
+        return {"x": self.step}
+
+
+class HeldBase(FaultyStorage):
+    """Holds the write of session 2's base until ``go`` is set; ``held`` says it is waiting."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.held, self.go = threading.Event(), threading.Event()
+
+    def write(self, path: str, data: Any) -> None:
+        if path.startswith("bases/") and ".g000002/" in path and path.endswith("state.safetensors"):
+            self.held.set()
+            assert self.go.wait(60), "the test never let the base go"
+        super().write(path, data)
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Any:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def truth() -> Truth:
+    """The uninterrupted run's state at every step, trained without diffckpt."""
+    return plain_truth(LAST)
+
+
+def first_session(root: Path) -> None:
+    assert train(str(root), FIRST, **SETTINGS)[1] == FIRST
+
+
+def train_on(engine: CheckpointEngine, m: torch.nn.Module, o: list[torch.optim.Optimizer]) -> None:
+    """Session 2's steps after the resume, through the engine as a plain loop records them."""
+    source = Step(FIRST)
+    for step in range(FIRST + 1, LAST + 1):
+        optimizer_step(m, o, step)
+        source.step = step
+        engine.commit(step, source)
+    for x in o:  # as the next step begins: the last record's gradients are let go
+        x.zero_grad()
+
+
+def journaled(local: Path, root: Path) -> list[int]:
+    place = place_for(str(local), FsspecStorage(str(root)).url)
+    assert place is not None
+    return sorted(e["step"] for j in journals(place.folder, place.url) for e in j.entries)
+
+
+def test_a_resumed_session_trains_on_while_its_base_is_written_and_loses_nothing(tmp_path: Path,
+                                                                                  truth: Truth) -> None:
+    root, local = tmp_path / "run", tmp_path / "local"
+    first_session(root)
+    storage = HeldBase(str(root))
+    options = CheckpointOptions(**{**SETTINGS, "local_dir": str(local)})  # type: ignore[arg-type]
+    engine = CheckpointEngine(storage, options)  # type: ignore[arg-type]
+    m, o = make()
+    result = engine.resume(m, o)
+    assert result is not None and result.step == FIRST and result.continues == (1, FIRST)
+    engine.begin(m, o, FIRST, Step(FIRST))  # returns with the base held: no wait for it
+    train_on(engine, m, o)
+    assert storage.held.is_set() and not storage.go.is_set()
+    assert json.loads((root / "sessions" / "g000002.json").read_text())["continues"] == {"gen": 1, "step": FIRST}
+    release = threading.Timer(1.0, storage.go.set)  # the held write ends after close gave up
+    release.start()
+    try:
+        assert engine.close(timeout=0.3) is None  # nothing of session 2 reached the run root
+    finally:
+        release.join()
+    assert not (root / "bases" / f"{FIRST:012d}.g000002" / "COMMIT").exists()
+    assert journaled(local, root) == list(range(FIRST + 1, LAST + 1))
+
+    # While session 2 has no base, retention keeps every step (its steps need session 1's).
+    store = RunStore(FsspecStorage(str(root)))
+    gc = plan_gc(store, RetentionPolicy(keep_last_bases=1, min_age_s=0))
+    assert not gc.segments and not gc.bases
+    assert any("session g2 continues step 7 of session g1" in r for k in gc.kept for r in k.reasons)
+
+    # A resume on the node commits the journaled steps as session 2's, through session 1's base.
+    for step in (LAST, FIRST + 2, FIRST, 3):  # explicit steps on either side of the resume too
+        res, mod, opts = restore(str(root), step if step != LAST else None,
+                                 options=CheckpointOptions(local_dir=str(local)))
+        assert (res.step, res.base_step) == (step, 0)
+        assert_state(truth, res, mod, opts)
+    assert [(s.after, s.last, s.gen) for s in store.inventory().segments if s.gen == 2] == [(FIRST, LAST, 2)]
+    assert journaled(local, root) == []
+    listed = describe(store, store.inventory())  # `diffckpt ls` says what a resume gets
+    assert (listed["newest"]["gen"], listed["newest"]["step"]) == (2, LAST)
+    assert [(s["gen"], s["durable"]) for s in listed["sessions"]] == [(1, [(0, FIRST)]), (2, [(FIRST, LAST)])]
+
+    # Compaction writes session 2's own base at its newest step, replayed through session 1's.
+    done = compact(str(root))
+    assert (done.gen, done.step, done.from_base, done.written) == (2, LAST, 0, True)
+    res, mod, opts = restore(str(root))
+    assert (res.step, res.base_step) == (LAST, LAST)
+    assert_state(truth, res, mod, opts)
+
+
+KILLED = """
+import sys, time
+sys.path[:0] = [{tests!r}]
+from engine_runs import FaultyStorage, make
+from test_continued_session import SETTINGS, FIRST, Step, train_on
+from diffckpt import CheckpointEngine, CheckpointOptions
+
+
+class Stuck(FaultyStorage):  # the disk takes forever with session 2's base
+    def write(self, path, data):
+        if path.startswith("bases/") and ".g000002/" in path:
+            time.sleep(600)
+        super().write(path, data)
+
+
+m, o = make()
+engine = CheckpointEngine(Stuck({root!r}), CheckpointOptions(**{{**SETTINGS, "local_dir": {local!r}}}))
+assert engine.resume(m, o).step == FIRST
+engine.begin(m, o, FIRST, Step(FIRST))
+train_on(engine, m, o)
+print("RECORDED", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_process_killed_before_its_first_base_resumes_at_its_last_step(tmp_path: Path, truth: Truth) -> None:
+    root, local = tmp_path / "run", tmp_path / "local"
+    first_session(root)
+    script = KILLED.format(tests=os.path.join(TESTS, "core"), root=str(root), local=str(local))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=subprocess_env(), start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        # a begin that waited for the stuck base would never get here
+        assert select.select([proc.stdout], [], [], 60)[0], "training waited for its first base after the resume"
+        assert proc.stdout.readline().strip() == "RECORDED", proc.stdout.read()
+        deadline = time.monotonic() + 60
+        while journaled(local, root) != list(range(FIRST + 1, LAST + 1)):
+            assert time.monotonic() < deadline, journaled(local, root)
+            time.sleep(0.02)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the process and every descendant
+        proc.wait(timeout=60)
+        if proc.stdout is not None:
+            proc.stdout.close()
+    assert not (root / "bases" / f"{FIRST:012d}.g000002" / "COMMIT").exists()
+    m, o = make()
+    engine = CheckpointEngine(root, CheckpointOptions(**{**SETTINGS, "local_dir": str(local)}))  # type: ignore[arg-type]
+    result = engine.resume(m, o)
+    assert result is not None and (result.step, result.base_step, result.continues) == (LAST, 0, (2, LAST))
+    assert_state(truth, result, m, o)
