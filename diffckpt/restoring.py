@@ -80,7 +80,8 @@ def restore_live(loc: Located, module: torch.nn.Module, optimizers: list[torch.o
 
 
 def _session_meta(loc: Located) -> dict[str, Any]:
-    """What the session of the plain step ``loc`` restores recorded: read before its base, so that
-    a damaged or missing session file is its own error, not a reason to try an older base (every
-    candidate base is of that session, :func:`diffckpt.planning.candidates`)."""
-    return loc.store.session_meta(candidates(loc.store, loc.step, loc.inv)[0].gen)
+    """What the session of the base the plain step ``loc`` restores from recorded (the session
+    whose base it is: for a session that continues another, that one's): read before the base, so
+    that a damaged or missing session file is its own error, not a reason to try an older base
+    (every candidate base is of that session, :func:`diffckpt.planning.candidates`)."""
+    return loc.store.session_meta(candidates(loc.store, loc.step, loc.inv)[0].base.gen)
