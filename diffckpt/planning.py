@@ -24,7 +24,8 @@ from .format import BaseName
 from .inventory import Inventory, RestorePlan
 from .runstore import RUN_FILE, RunStore
 
-__all__ = ["candidates", "continued", "continued_end", "durable_ranges", "open_plan", "plan", "plan_for"]
+__all__ = ["candidates", "continuations", "continued", "continued_end", "durable_ranges", "newest_continuing",
+           "open_plan", "plan", "plan_for"]
 
 
 def plan(store: RunStore, step: int | None = None, inv: Inventory | None = None) -> RestorePlan:
@@ -57,16 +58,13 @@ def candidates(store: RunStore, step: int | None = None, inv: Inventory | None =
         if gen is not None and g != gen:
             continue
         bases = sorted((b for b in inv.bases if b.gen == g), reverse=True)
-        if not bases:
-            through = _through_continued(store, inv, g, step)
-            if through:
-                return _sized(through, inv)
-            continue
-        if step is None:
+        if step is None and bases:
             plans = [RestorePlan(base, inv.chain(base), inv.chain_end(base), True) for base in bases]
             plans.sort(key=lambda p: p.target, reverse=True)  # stable: newest base first
             return _sized(plans, inv)
-        found = [p for p in (plan_for(inv, b, step) for b in bases) if p is not None]
+        found = [p for p in (plan_for(inv, b, step) for b in bases) if p is not None] if step is not None else []
+        # a step before the session's first base (none committed, or compacted later): through its link
+        found = found or _through_continued(store, inv, g, step)
         if found:
             return _sized(found, inv)
     raise CheckpointNotFoundError(
@@ -111,6 +109,28 @@ def continued_end(store: RunStore, inv: Inventory, gen: int) -> int | None:
     if link is None or not _upstream(store, inv, link):
         return None
     return inv.chain_end(BaseName(link[1], gen))
+
+
+def continuations(store: RunStore, inv: Inventory) -> dict[int, tuple[int, int]]:
+    """``{gen: (session, step)}`` that each session with segments before its first base (none
+    committed, or one compacted later) continues; only those sessions' files are read."""
+    first: dict[int, int] = {}
+    for b in inv.bases:
+        first[b.gen] = min(first.get(b.gen, b.step), b.step)
+    early = {s.gen for s in inv.segments if s.after < first.get(s.gen, s.after + 1)}
+    return {g: link for g in sorted(early) if (link := continued(store, g)) is not None}
+
+
+def newest_continuing(store: RunStore, inv: Inventory) -> tuple[int, int, int] | None:
+    """``(gen, session, step)`` when the newest session that matters has no committed base of its
+    own and continues ``step`` of ``session``, which a restore can rebuild; else ``None``."""
+    for gen in inv.gens():
+        if any(b.gen == gen for b in inv.bases):
+            return None
+        link = continued(store, gen)
+        if link is not None and continued_end(store, inv, gen) is not None:
+            return gen, *link
+    return None
 
 
 def _upstream(store: RunStore, inv: Inventory, link: tuple[int, int]) -> list[RestorePlan]:

@@ -12,10 +12,11 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from helpers import assert_bitwise_equal
 
@@ -66,6 +67,16 @@ def optimizer_step(module: torch.nn.Module, optimizers: list[torch.optim.Optimiz
     module(x).pow(2).mean().backward()
     for o in optimizers:
         o.step()
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """Replay in the test computes like training in the subprocesses (one thread), bit for bit:
+    a test module that imports this fixture runs each of its tests so."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def plain_truth(last: int) -> Truth:

@@ -27,7 +27,7 @@ from ..errors import CorruptRecordError, DiffCkptError
 from ..format import BaseName, SegmentName
 from ..inventory import Inventory
 from ..keptsteps import is_kept_path, read_kept
-from ..planning import continued, continued_end
+from ..planning import continuations, newest_continuing
 from ..policyoptions import RetentionPolicy
 from ..rankstreams import RANKS_DIR
 from ..runstore import RunStore, session_path
@@ -110,32 +110,48 @@ def _ends(inv: Inventory, bases: list[BaseName]) -> set[int]:
 
 
 def _targets(inv: Inventory, policy: RetentionPolicy, mtimes: dict[str, float | None], now: float,
-             also: Sequence[tuple[int, int, str]] = (), everything: str | None = None
+             also: Sequence[tuple[int, int, str]] = (), everything: str | None = None,
+             links: dict[int, tuple[int, int]] | None = None, routes: list[tuple[int, int, int]] | None = None
              ) -> dict[tuple[int, int, int], list[str]]:
     """``{(gen, step, base step): reasons}`` of every step to keep restorable (``also``: more
     ``(gen, step, reason)`` to keep, which the policy does not know of; ``everything``: why every
-    step is kept whatever the policy)."""
+    step is kept whatever the policy). ``links``: the ``(session, step)`` that sessions continue
+    (``diffckpt.planning``); a step of one that none of its bases reaches is kept as the step it
+    continues, and ``(gen, from, to)`` of its own segments to keep is appended to ``routes``."""
     out: dict[tuple[int, int, int], list[str]] = {}
+    links = links or {}
     reaches: dict[int, list[tuple[BaseName, int]]] = {}  # per session: (base, chain end), newest first
     for b in sorted(inv.bases, reverse=True):
         reaches.setdefault(b.gen, []).append((b, inv.chain_end(b)))
 
     def keep(gen: int, step: int, reason: str, base: BaseName | None = None) -> bool:
         # Without a base named: the newest committed base of ``gen`` whose chain reaches ``step``
-        # (the least replay).
+        # (the least replay), else, for a session that continues another, through that one.
         base = base or next((b for b, end in reaches.get(gen, ()) if b.step <= step <= end), None)
         if base is not None:
             out.setdefault((gen, step, base.step), []).append(reason)
-        return base is not None
+            return True
+        link = links.get(gen)
+        if link is None or not link[1] < step <= inv.chain_end(BaseName(link[1], gen)):
+            return False
+        if not keep(link[0], link[1], f"{reason} (continued by session g{gen})"):
+            return False
+        if routes is not None:
+            routes.append((gen, link[1], step))
+        return True
 
     for gen, step, reason in also:
         # A save made after its session ended may name a step of an earlier session: the newest
         # earlier session that holds it.
         any(keep(g, step, reason) for g in [gen, *sorted((g for g in reaches if g < gen), reverse=True)])
-    newest_gen = next((g for g in inv.gens() if any(b.gen == g for b in inv.bases)), None)
-    if newest_gen is None:
+    if not inv.bases:
         return out
-    keep(newest_gen, inv.newest_step(newest_gen) or 0, "newest durable step")
+    for gen in inv.gens():  # the newest session with a durable step: its own base's, or through a link
+        newest = inv.newest_step(gen)
+        if newest is None and gen in links:
+            newest = inv.chain_end(BaseName(links[gen][1], gen))
+        if newest is not None and keep(gen, newest, "newest durable step"):
+            break
     if policy.keeps_everything or everything is not None:
         for base in inv.bases:
             keep(base.gen, inv.chain_end(base), everything or "no keep_* policy: everything is kept", base)
@@ -201,21 +217,26 @@ def _plan(store: RunStore, policy: RetentionPolicy, now: float, also: Sequence[t
     streams = any(p.startswith(RANKS_PREFIX) for p in details)
     details = {p: v for p, v in details.items() if not p.startswith(RANKS_PREFIX)}
     inv = store.inventory({p: size for p, (size, _) in details.items() if not hidden(p)})
-    waiting = _continuing(store, inv)
-    everything = everything or waiting
+    waiting = newest_continuing(store, inv)  # its steps need those it continues, whatever the policy
+    everything = everything or (waiting and f"every step is kept: session g{waiting[0]} continues step "
+                                f"{waiting[2]} of session g{waiting[1]} and has no base of its own yet")
+    links = continuations(store, inv)
+    routes: list[tuple[int, int, int]] = []
     mtimes = {p: t for p, (_, t) in details.items()}
     plan = GcPlan(url=store.storage.url.rstrip("/"), sizes={p: s for p, (s, _) in details.items()})
     needed: set[str] = set()  # base directories
     reach: dict[BaseName, int] = {}  # kept base -> the furthest kept step restored from it
     by_key: dict[tuple[int, int], Kept] = {}
-    for (gen, step, base_step), reasons in sorted(_targets(inv, policy, mtimes, now, also, everything).items()):
+    for (gen, step, base_step), reasons in sorted(
+            _targets(inv, policy, mtimes, now, also, everything, links, routes).items()):
         base = BaseName(base_step, gen)
         needed.add(base.dir)
         reach[base] = max(reach.get(base, step), step)
         kept = by_key.setdefault((gen, step), Kept(gen, step, base_step, []))
         kept.reasons += [r for r in reasons if r not in kept.reasons]
     plan.kept = sorted(by_key.values(), key=lambda k: (k.gen, k.step))
-    routed = _routed(inv, reach)
+    routed = _routed(inv, reach) | {seg for gen, after, to in routes for seg in inv.chain(BaseName(after, gen))
+                                    if seg.after < to}
     reachable = _reachable(inv)
     newest_gen = max(inv.gens(), default=0)
     newest = {gen: inv.newest_step(gen) for gen in {s.gen for s in inv.segments}}
@@ -248,20 +269,6 @@ def _plan(store: RunStore, policy: RetentionPolicy, now: float, also: Sequence[t
     if streams:
         plan.streams = _plan_streams(store, policy, now, also, everything)
     return plan
-
-
-def _continuing(store: RunStore, inv: Inventory) -> str | None:
-    """Why every step is kept while the newest session has no committed base of its own and its
-    steps are rebuilt through the step it continues (``diffckpt.planning``); ``None`` otherwise.
-    (That step, and the segments of sessions without a base on the way to it, must stay.)"""
-    for gen in inv.gens():
-        if any(b.gen == gen for b in inv.bases):
-            return None
-        link = continued(store, gen)
-        if link is not None and continued_end(store, inv, gen) is not None:
-            return (f"every step is kept: session g{gen} continues step {link[1]} of session g{link[0]} and "
-                    "has no base of its own yet")
-    return None
 
 
 def _plan_streams(store: RunStore, policy: RetentionPolicy, now: float,

@@ -30,6 +30,7 @@ from engine_runs import (
     Truth,
     assert_state,
     make,
+    one_thread,  # noqa: F401  (autouse: one torch thread, as the training processes)
     optimizer_step,
     plain_truth,
     restore,
@@ -37,11 +38,18 @@ from engine_runs import (
 )
 from helpers import subprocess_env
 
-from diffckpt import CheckpointEngine, CheckpointOptions, FsspecStorage, RetentionPolicy, compact
+from diffckpt import (
+    CheckpointEngine,
+    CheckpointNotFoundError,
+    CheckpointOptions,
+    FsspecStorage,
+    RetentionPolicy,
+    compact,
+)
 from diffckpt.cli.ls import describe
 from diffckpt.journal import place_for
 from diffckpt.journalfile import journals
-from diffckpt.lifecycle.retention import plan_gc
+from diffckpt.lifecycle.retention import apply_gc, plan_gc
 from diffckpt.runstore import RunStore
 
 TESTS = str(Path(__file__).resolve().parent.parent)
@@ -75,14 +83,6 @@ class HeldBase(FaultyStorage):
             self.held.set()
             assert self.go.wait(60), "the test never let the base go"
         super().write(path, data)
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Any:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +159,19 @@ def test_a_resumed_session_trains_on_while_its_base_is_written_and_loses_nothing
     res, mod, opts = restore(str(root))
     assert (res.step, res.base_step) == (LAST, LAST)
     assert_state(truth, res, mod, opts)
+
+    # A framework's save of a step only the link reaches (session 2's before its base) keeps what
+    # rebuilds it: session 1's base and segments up to the step continued, and session 2's after.
+    newest_only = RetentionPolicy(keep_last_bases=1, min_age_s=0)
+    saved = FIRST + 2
+    apply_gc(store, plan_gc(store, newest_only, also=[(2, saved, "a save")]))
+    res, mod, opts = restore(str(root), saved)
+    assert (res.step, res.base_step) == (saved, 0)
+    assert_state(truth, res, mod, opts)
+    apply_gc(store, plan_gc(store, newest_only))  # without the save, only session 2's base stays
+    assert [(b.gen, b.step) for b in store.inventory().bases] == [(2, LAST)] and not store.inventory().segments
+    with pytest.raises(CheckpointNotFoundError):
+        restore(str(root), saved)
 
 
 KILLED = """

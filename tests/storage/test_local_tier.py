@@ -22,14 +22,20 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from engine_runs import OPTIONS, Truth, assert_state, make, plain_truth, train_steps
+from engine_runs import (  # noqa: F401  (one_thread: autouse, one torch thread as the training process)
+    OPTIONS,
+    Truth,
+    assert_state,
+    make,
+    one_thread,
+    plain_truth,
+    train_steps,
+)
 from helpers import subprocess_env
 
 from diffckpt import CheckpointEngine, CheckpointOptions, FsspecStorage
@@ -58,15 +64,6 @@ for o in optimizers:  # as the next step begins: the last record's gradients are
 print("RECORDED", flush=True)
 time.sleep(600)
 """
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Replay here computes like training in the subprocess (one thread), bit for bit."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
