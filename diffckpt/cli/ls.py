@@ -13,7 +13,7 @@ from ..format import BaseName, decode_commit
 from ..inventory import Inventory
 from ..keptsteps import is_kept_path, read_kept
 from ..localtier import read_local_tier
-from ..planning import continued, continued_end
+from ..planning import continuations, continued_end
 from ..policyoptions import BY_BYTES
 from ..runstore import RunStore
 from ..tuning.risk import say_risk
@@ -106,21 +106,31 @@ def _local(store: RunStore, local_dir: str | None, streams: list[tuple[str, RunS
     return out
 
 
+def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(spans):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
 def describe(store: RunStore, inv: Inventory, local_dir: str | None = None) -> dict[str, Any]:
     """Everything ``ls`` shows, as plain JSON-able data (``--json`` prints it as is).
     ``local_dir``: look for the node-local tier there too (``CheckpointOptions.local_dir``)."""
     url, sizes = store.storage.url.rstrip("/"), inv.sizes
-    sessions = []
+    sessions, links = [], continuations(store, inv)
     for gen in sorted(set(inv.sessions) | {b.gen for b in inv.bases}):
         try:
             meta: dict[str, Any] = store.session_meta(gen)
         except (ValueError, DiffCkptError):
             meta = {"damaged": True}  # `verify` names it; listing the rest is still useful
         newest, durable = inv.newest_step(gen), inv.durable_spans(gen)
-        link = continued(store, gen) if newest is None else None
+        link = links.get(gen)  # steps before its first base, rebuilt through the step it continues
         end = continued_end(store, inv, gen) if link is not None else None
-        if link is not None and end is not None and end > link[1]:  # rebuilt through the step it continues
-            newest, durable = end, [(link[1], end)]
+        if link is not None and end is not None and end > link[1]:
+            newest, durable = max(end, newest or end), _merged([(link[1], end), *durable])
         sessions.append({
             "gen": gen, "started": meta.get("started"), "resumed_from": meta.get("resumed_from"),
             "options": meta.get("options", {}), "optimizers": meta.get("optimizers", []),

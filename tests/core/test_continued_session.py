@@ -159,6 +159,7 @@ def test_a_resumed_session_trains_on_while_its_base_is_written_and_loses_nothing
     res, mod, opts = restore(str(root))
     assert (res.step, res.base_step) == (LAST, LAST)
     assert_state(truth, res, mod, opts)
+    assert describe(store, store.inventory())["sessions"][1]["durable"] == [(FIRST, LAST)]  # the link's too
 
     # A framework's save of a step only the link reaches (session 2's before its base) keeps what
     # rebuilds it: session 1's base and segments up to the step continued, and session 2's after.
