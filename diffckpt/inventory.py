@@ -15,7 +15,7 @@ from typing import Any
 
 from .format import BaseName, SegmentName
 
-__all__ = ["Inventory", "RestorePlan"]
+__all__ = ["Inventory", "RestorePlan", "merged_spans"]
 
 
 @dataclass
@@ -92,14 +92,8 @@ class Inventory:
         return chain
 
     def durable_spans(self, gen: int) -> list[tuple[int, int]]:
-        """Merged step intervals of session ``gen`` that a restore can reach, sorted."""
-        merged: list[tuple[int, int]] = []
-        for lo, hi in sorted((b.step, self.chain_end(b)) for b in self.bases if b.gen == gen):
-            if merged and lo <= merged[-1][1]:
-                merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
-            else:
-                merged.append((lo, hi))
-        return merged
+        """Merged step intervals of session ``gen`` that its bases' chains reach, sorted."""
+        return merged_spans([(b.step, self.chain_end(b)) for b in self.bases if b.gen == gen])
 
     def newest_step(self, gen: int) -> int | None:
         """Newest durable step of session ``gen`` (``None`` if it has no committed base)."""
@@ -107,6 +101,17 @@ class Inventory:
 
     def gens(self) -> list[int]:
         return sorted({b.gen for b in self.bases} | set(self.sessions), reverse=True)
+
+
+def merged_spans(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Step intervals ``(lo, hi)`` merged where they overlap or touch, sorted."""
+    merged: list[tuple[int, int]] = []
+    for lo, hi in sorted(spans):
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    return merged
 
 
 def _all_chains(bases: list[BaseName], segments: list[SegmentName]) -> dict[BaseName, tuple[SegmentName, ...]]:

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..errors import DiffCkptError
 from ..format import BaseName, decode_commit
-from ..inventory import Inventory
+from ..inventory import Inventory, merged_spans
 from ..keptsteps import is_kept_path, read_kept
 from ..localtier import read_local_tier
 from ..planning import continuations, continued_end
@@ -106,16 +106,6 @@ def _local(store: RunStore, local_dir: str | None, streams: list[tuple[str, RunS
     return out
 
 
-def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for lo, hi in sorted(spans):
-        if out and lo <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], hi))
-        else:
-            out.append((lo, hi))
-    return out
-
-
 def describe(store: RunStore, inv: Inventory, local_dir: str | None = None) -> dict[str, Any]:
     """Everything ``ls`` shows, as plain JSON-able data (``--json`` prints it as is).
     ``local_dir``: look for the node-local tier there too (``CheckpointOptions.local_dir``)."""
@@ -130,7 +120,7 @@ def describe(store: RunStore, inv: Inventory, local_dir: str | None = None) -> d
         link = links.get(gen)  # steps before its first base, rebuilt through the step it continues
         end = continued_end(store, inv, gen) if link is not None else None
         if link is not None and end is not None and end > link[1]:
-            newest, durable = max(end, newest or end), _merged([(link[1], end), *durable])
+            newest, durable = max(end, newest or end), merged_spans([(link[1], end), *durable])
         sessions.append({
             "gen": gen, "started": meta.get("started"), "resumed_from": meta.get("resumed_from"),
             "options": meta.get("options", {}), "optimizers": meta.get("optimizers", []),
