@@ -101,11 +101,12 @@ def continued(store: RunStore, gen: int) -> tuple[int, int] | None:
     return parent, step
 
 
-def continued_end(store: RunStore, inv: Inventory, gen: int) -> int | None:
+def continued_end(store: RunStore, inv: Inventory, gen: int, link: tuple[int, int] | None = None) -> int | None:
     """The newest step of session ``gen``, which has no committed base, that a restore rebuilds
     through the session it continues: the step it continues, or the end of its own segments
-    after it; ``None`` when it continues nothing, or nothing rebuilds that step."""
-    link = continued(store, gen)
+    after it; ``None`` when it continues nothing, or nothing rebuilds that step. ``link``: what
+    :func:`continued` said already (else its session file is read)."""
+    link = link or continued(store, gen)
     if link is None or not _upstream(store, inv, link):
         return None
     return inv.chain_end(BaseName(link[1], gen))
@@ -128,7 +129,7 @@ def newest_continuing(store: RunStore, inv: Inventory) -> tuple[int, int, int] |
         if any(b.gen == gen for b in inv.bases):
             return None
         link = continued(store, gen)
-        if link is not None and continued_end(store, inv, gen) is not None:
+        if link is not None and continued_end(store, inv, gen, link) is not None:
             return gen, *link
     return None
 

@@ -118,7 +118,7 @@ def describe(store: RunStore, inv: Inventory, local_dir: str | None = None) -> d
             meta = {"damaged": True}  # `verify` names it; listing the rest is still useful
         newest, durable = inv.newest_step(gen), inv.durable_spans(gen)
         link = links.get(gen)  # steps before its first base, rebuilt through the step it continues
-        end = continued_end(store, inv, gen) if link is not None else None
+        end = continued_end(store, inv, gen, link) if link is not None else None
         if link is not None and end is not None and end > link[1]:
             newest, durable = max(end, newest or end), merged_spans([(link[1], end), *durable])
         sessions.append({
