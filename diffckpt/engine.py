@@ -64,7 +64,7 @@ class CheckpointEngine:
         self.recorder = Recorder(dirpath, options, storage_options)
         self._coord = Coordination(collective)
         self._resumption = Resumption(self._coord)
-        self._restored: tuple[int, Any, tuple[int, int] | None] | None = None  # resume()'s step, state, link
+        self._restored: tuple[int, Any, tuple[int, int, int] | None] | None = None  # resume()'s step, state, link
         self._compressor: GradientCompressor | None = None
         self._clock: Clock | None = None  # kept after end(): what the last session reached
         self._open = False  # between begin() and end()
@@ -127,14 +127,13 @@ class CheckpointEngine:
     def resume(self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
                step: int | Literal["last"] | None = None, *, dirpath: str | None = None,
                compressor: GradientCompressor | None = None, missing_ok: bool = False) -> ReplayResult | None:
-        """Restore ``step`` (``"last"`` or ``None``: the newest durable one) on every rank (every
-        rank calls).
+        """Restore ``step`` (``"last"``/``None``: the newest durable one) on every rank (all call).
 
         Rank 0 locates the step, falling back over damage for ``None``, and every rank replays
         that same step onto its ``module`` and ``optimizers``; with a ``compressor``, each rank
         gets its own codec state. ``dirpath`` restores from another run root. With
-        ``missing_ok``, ``None`` is returned when ``step`` is ``None`` and nothing is durable yet.
-        A later :meth:`begin` at the restored step writes the restored state as its base.
+        ``missing_ok``, ``None`` is returned when ``step`` is ``None`` and nothing is durable yet;
+        a later :meth:`begin` at the restored step continues it.
 
         Raises:
             the errors of :meth:`restore`, on rank 0; the other ranks raise
@@ -150,8 +149,8 @@ class CheckpointEngine:
             recorder = Recorder(dirpath, storage_options=self.storage_options)
         result = self._resumption.resume(recorder, module, optimizers, step, compressor, missing_ok)
         if result is not None:  # a session begun at it continues it: in this run root, without a codec
-            self._restored = (result.step, result.state, result.continues
-                              if recorder is self.recorder and result.codec_config is None else None)
+            self._restored = (result.step, result.state, result.continues if recorder is self.recorder
+                              and result.codec_config is None else None)
         return result
 
     def newest_step(self) -> int | None:
@@ -243,39 +242,40 @@ class CheckpointEngine:
               compressor: GradientCompressor | None = None, resume_hint: str | None = None) -> None:
         """Start checkpointing training that continues from ``step`` (every rank calls).
 
-        The writing process opens a session and writes its starting base: the state
-        :meth:`resume` restored when ``step`` is the restored step (a session that then continues
-        it and does not wait for that base, unless sharded or compressed: ``planning.py``), else
-        ``source``'s. ``meta`` goes into the session record (framework, strategy...). Training that
-        did not :meth:`resume` from a run root holding durable steps gets a warning on rank 0
-        naming them, with ``resume_hint`` (the framework's way to resume) as its advice.
+        The writing process opens a session. At the step :meth:`resume` restored from this run
+        root, it continues that step and writes no base (unless sharded or compressed): its first
+        base is due as the run's next, counted from the restored step's base (``planning.py``).
+        Else it writes a starting base, of the state restored or ``source``'s. ``meta`` goes into
+        the session record (framework, strategy...). Training that did not :meth:`resume` from a
+        run root with durable steps gets a warning on rank 0 naming them, ``resume_hint`` (the
+        framework's way to resume) as its advice.
         """
         if self._open:
             raise DiffCkptError("begin() called twice; end() the running session first")
         restored = self._restored if self._restored is not None and self._restored[0] == step else None
         self._restored = None
         refuse_flat_parameters(module)
-        sharded = self._sharded = is_sharded(module)
-        table = check_sharded(module, optimizers, compressor) if sharded else None
+        table = check_sharded(module, optimizers, compressor) if (sharded := is_sharded(module)) else None
+        self._sharded = sharded
         ranks = None if restored is not None else self._coord.rank_states(source, self._sharded)
-        codec_states = self._coord.codec_states(compressor)
-        self._compressor = compressor
-        self._clock, self._open = Clock(step, step, step), True
+        codec_states, self._compressor = self._coord.codec_states(compressor), compressor
+        link = restored[2] if restored is not None and table is None and compressor is None else None
+        last_base = link[2] if link else step
+        self._clock, self._open = Clock(step, step, last_base), True
         if restored is None and self.is_main_process:
             self._resumption.warn_used_root(self.recorder, step, resume_hint)
         if not self._writes():
-            self.recorder.join(step)
+            self.recorder.join(step, last_base)
             return
-        link = restored[2] if restored is not None and table is None and compressor is None else None
         meta = {"torch": torch.__version__, "world_size": self.world_size, **(meta or {}),
                 **({"continues": {"gen": link[0], "step": link[1]}} if link else {})}
         gen, rec = None, self.recorder
         rec.stream, rec.collects_garbage = rec.store, True  # an earlier sharded session's are gone
         if table is not None:  # every rank writes its own stream, in the session the root names
             gen, meta = open_sharded_session(self._coord, rec, meta, step, table)
-        rec.start(module, optimizers, step, meta=meta, compressor=compressor, gen=gen)
-        state = restored[1] if restored is not None else source.state(ranks or [])
-        self._base_now(step, state, codec_states)
+        rec.start(module, optimizers, step, meta=meta, compressor=compressor, gen=gen, last_base=last_base)
+        if link is None:
+            self._base_now(step, restored[1] if restored is not None else source.state(ranks or []), codec_states)
 
     def commit(self, step: int, source: FrameworkState, *, force_state: bool = False,
                force_base: bool = False) -> Committed:

@@ -6,11 +6,11 @@ Where a step lies when a run root holds sharded sessions too is decided once, ab
 :func:`diffckpt.locate.locate`; every restore goes through it.
 
 A session that a resume started at a restored step continues that step (its session file's
-``continues``: the session and step restored). Until its own starting base is committed, its
-steps are rebuilt from the session it continues: that session's base and segments up to the
-step, then its own segments. So training goes on at once after a resume, without waiting for the
-new base to be written, and a crash in the meantime loses nothing that the node-local tier
-journaled.
+``continues``: the session and step restored) and writes no base there. Until its own first base
+is committed (due as the run's next), its steps are rebuilt from the session it continues: that
+session's base and segments up to the step (through its own link, if it has no base yet either),
+then its own segments. So a restart neither waits for nor writes a whole state, and a crash in
+the meantime loses nothing that the node-local tier journaled.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from typing import Any
 
 from .errors import CheckpointNotFoundError, CorruptRecordError
 from .format import BaseName
-from .inventory import Inventory, RestorePlan
+from .inventory import Inventory, RestorePlan, merged_spans
 from .runstore import RUN_FILE, RunStore
 
 __all__ = ["candidates", "continuations", "continued", "continued_end", "durable_ranges", "newest_continuing",
-           "open_plan", "plan", "plan_for"]
+           "open_plan", "plan", "plan_for", "session_spans"]
 
 
 def plan(store: RunStore, step: int | None = None, inv: Inventory | None = None) -> RestorePlan:
@@ -68,7 +68,7 @@ def candidates(store: RunStore, step: int | None = None, inv: Inventory | None =
         if found:
             return _sized(found, inv)
     raise CheckpointNotFoundError(
-        f"step {step} is not durable under {store.storage.url}; durable steps: {durable_ranges(inv)}. "
+        f"step {step} is not durable under {store.storage.url}; durable steps: {durable_ranges(store, inv)}. "
         "Pick one of those (see `diffckpt ls`).")
 
 
@@ -209,10 +209,25 @@ def open_plan(store: RunStore, step: int | None = None, inv: Inventory | None = 
         "or check the storage with `diffckpt verify`")
 
 
-def durable_ranges(inv: Inventory) -> str:
+def session_spans(store: RunStore, inv: Inventory) -> dict[int, list[tuple[int, int]]]:
+    """Durable step intervals of each session with any, merged and sorted: those its bases'
+    chains reach and, for a session that continues another, those before its first base that a
+    restore rebuilds through it (from the step continued)."""
+    links, out = continuations(store, inv), {}
+    for gen in sorted({b.gen for b in inv.bases} | set(links)):
+        spans, link = inv.durable_spans(gen), links.get(gen)
+        end = continued_end(store, inv, gen, link) if link is not None else None
+        if link is not None and end is not None and end > link[1]:
+            spans = merged_spans([(link[1], end), *spans])
+        if spans:
+            out[gen] = spans
+    return out
+
+
+def durable_ranges(store: RunStore, inv: Inventory) -> str:
     """Durable steps per session as merged ranges, e.g. ``g1: 0..5, 10..13``."""
-    parts = [f"g{gen}: " + ", ".join(f"{lo}..{hi}" for lo, hi in inv.durable_spans(gen))
-             for gen in sorted({b.gen for b in inv.bases})]
+    parts = [f"g{gen}: " + ", ".join(f"{lo}..{hi}" for lo, hi in spans)
+             for gen, spans in session_spans(store, inv).items()]
     return "; ".join(parts) or "none"
 
 

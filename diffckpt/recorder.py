@@ -76,7 +76,6 @@ class Recorder:
         self._prev_step = self._last_base = 0
         self._buffer_names: list[str] = []
         self._durable: int | None = None
-        self._continues = False  # the session continues a restored step (planning.py)
         self._base_nbytes = 0  # bytes of the newest base handed to the writer
         self._restating = Restating()  # when the loss bound is stated (its first record, then as it settles)
         self._streams = 1  # rank streams under the run root, each writing about as much as this one
@@ -107,12 +106,13 @@ class Recorder:
 
     def start(self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer], step: int,
               meta: dict[str, Any] | None = None, compressor: GradientCompressor | None = None,
-              gen: int | None = None) -> int:
+              gen: int | None = None, last_base: int | None = None) -> int:
         """Open a writer session continuing from ``step``; return its generation number.
 
-        The caller writes the starting base right after (``write_base(step, ...)``). With a
-        ``compressor`` (compressed training), steps are recorded as its payloads. ``gen``: the
-        generation already taken on the run root (a rank stream of sharded training).
+        The caller writes the starting base right after (``write_base(step, ...)``), unless the
+        session continues a restored step (``meta["continues"]``; ``last_base``: the base that
+        step rests on, the next is counted from). With a ``compressor``, steps are recorded as its
+        payloads. ``gen``: the generation taken on the run root (a rank stream, sharded).
         """
         if self.writer is not None:
             raise DiffCkptError("start() called twice; close() the running session first")
@@ -120,22 +120,21 @@ class Recorder:
         params = dict(module.named_parameters())
         self._buffer_names = [k for k in module.state_dict() if k not in params]
         body = session_body(self.options, step, {**training_meta(module, optimizers, compressor), **(meta or {})})
-        self._continues = "continues" in body  # (a session after a resume: planning.py)
-        if self.tuning.restore_timing is not None:
-            load_s, replay_s = self.tuning.restore_timing
-            body["restore_timing"] = {"base_load_s": load_s, "replay_step_s": replay_s}
+        if (timing := self.tuning.restore_timing) is not None:
+            body["restore_timing"] = {"base_load_s": timing[0], "replay_step_s": timing[1]}
         gen = self.kept.gen = self.stream.start_session(body, gen)
         self.module = module
         self.writer = BackgroundWriter(self.stream, gen, self.options, after=step,
                                        write_batch=self.tuning.settings.write_batch, fence=self.storage, session=body["id"])
         self.writer.before_wait = self.capture.end_leases
-        self.tuning.start(step, self.writer, self._base_bytes_now)
-        self._prev_step = self._last_base = step
-        self._base_nbytes, self._restating = 0, Restating()
+        if "continues" in body:  # a session after a resume (planning.py): the step is durable already
+            self.writer.durable_step = step
+        self._prev_step, self._last_base = step, step if last_base is None else last_base
+        self.tuning.start(step, self.writer, self._base_bytes_now, self._last_base)
+        self._base_nbytes, self._restating, self._based_at = 0, Restating(), time.perf_counter()
         world, run = int((meta or {}).get("world_size", 1)), ShardedRun(self.storage)
         self._streams = world if self.stream is not self.store else 1
-        o, writer = self.options, self.writer
-        retention = o.retention if self.collects_garbage else None
+        o, writer, retention = self.options, self.writer, self.options.retention if self.collects_garbage else None
         if o.compact_every_n_steps is not None or retention is not None:
             # Compaction rolls this process's stream forward, replaying where training runs unless
             # told otherwise (on another device type the fingerprints recorded in training need not
@@ -209,11 +208,12 @@ class Recorder:
     def wants_base(self, step: int) -> bool:
         return self.policy.wants_base(self._context(step))
 
-    def join(self, step: int) -> None:
+    def join(self, step: int, last_base: int | None = None) -> None:
         """Keep the clock of a process that does not write (DDP ranks other than 0) from a
-        session that starts at ``step``, as :meth:`start` does for the writer."""
-        self._prev_step = self._last_base = step
-        self.tuning.join(step)
+        session that starts at ``step`` (``last_base``: the newest base, if not at ``step``), as
+        :meth:`start` does for the writer."""
+        self._prev_step, self._last_base = step, step if last_base is None else last_base
+        self.tuning.join(step, self._last_base)
 
     def follow(self, step: int, base: bool) -> None:
         """Keep the step/base clock of a process that does not write (DDP ranks other than 0), so
@@ -292,9 +292,9 @@ class Recorder:
         stalled, params, nbytes = writer.stats.stall_seconds, [tree["model"][n] for n in names], tree_nbytes(tree)
         writer.put_base(step, tree, params, nbytes, HostStage.mark((tree, params)), copying)
         capture.wait_before_step(copying)
-        if writer.journal is not None and writer.durable_step is None and not self._continues:
-            # The session's first base: its journal continues nothing durable until the base is, so training
-            # waits once, or a crash just after a resume loses every step since (unless it continues one).
+        if writer.journal is not None and writer.durable_step is None:
+            # The session's first base, continuing no step: its journal continues nothing durable until
+            # the base is, so training waits once, or a crash just after a resume loses every step since.
             writer.flush()
         self._last_base, self._base_nbytes = step, nbytes
         self.tuning.based(step, nbytes)

@@ -61,9 +61,10 @@ class ReplayResult:
     codec_states: list[dict[str, torch.Tensor]] | None = None  # per rank, saved with the base
     codec_payloads: dict[str, Any] = field(default_factory=dict)  # last replayed payload per parameter
     verified_through: int | None = None  # newest step whose fingerprint from training was matched
-    # (session, step) that a session started at this step may continue instead of waiting for its
-    # own base (``diffckpt.planning``): set by a restore of a plain step that a segment or base ends
-    continues: tuple[int, int] | None = None
+    # (session, step, base step) that a session started at this step continues instead of writing
+    # a base of its own at it (``diffckpt.planning``), and the base its chain rests on, from which
+    # the next base is counted: set by a restore of a plain step that a segment or base ends
+    continues: tuple[int, int, int] | None = None
     # What replay cost, for logs and benchmarks: wall seconds from the base loaded into the model
     # to the end of replay, encoded segment bytes read, and of those seconds the time replay
     # waited for records read and prepared (what prefetching did not hide). A replay redone after

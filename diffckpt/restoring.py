@@ -66,7 +66,7 @@ def restore_live(loc: Located, module: torch.nn.Module, optimizers: list[torch.o
         result = replay(loc.store, plan, target, optimizers, verify=verify, loaded=(info, base))
     replayed = time.perf_counter() - loaded
     if result.step == plan.target and plan.target in {plan.base.step, *(seg.last for seg in plan.segments)}:
-        result.continues = (plan.gen, plan.target)
+        result.continues = (plan.gen, plan.target, plan.base.step)
     log.info("diffckpt: restored step %d from base %d (read in %.2f s): replayed %d steps in "
              "%.2f s (%.1f steps/s, %.1f MiB/s)", result.step, result.base_step, loaded - start,
              result.replayed, result.replay_s, result.steps_per_s, result.read_mib_per_s)

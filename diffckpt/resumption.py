@@ -22,7 +22,7 @@ from .errors import CheckpointNotFoundError, DiffCkptError
 from .liveload import load_into_live, modules_of
 from .localtier import merge_for_rank
 from .locate import Located, locate
-from .planning import plan
+from .planning import plan, session_spans
 from .reassembly import replay_rank
 from .recorder import Recorder
 from .replay import ReplayResult
@@ -68,12 +68,15 @@ class Resumption:
             return mine["result"]
 
         settled = self.coord.decided(restore_here, "restore", then="no process was restored there",
-                                     send=lambda r: ("step", None if r is None else r.step))
+                                     send=lambda r: ("step", None, None) if r is None else ("step", r.step, r.continues))
         if self.coord.is_main_process:
             return settled
         if settled[1] is None:
             return None
-        return self._restore_here(recorder, module, optimizers, settled[1], compressor, False, None)
+        result = self._restore_here(recorder, module, optimizers, settled[1], compressor, False, None)
+        if result is not None:  # the session begun at it continues what rank 0 restored, on every rank
+            result.continues = settled[2]
+        return result
 
     def take_local_tier(self, recorder: Recorder) -> None:
         """The node-local tier first, on every rank: what a crashed session journaled on this node
@@ -107,8 +110,7 @@ class Resumption:
         ``"last"`` follows the new session from now on, and a job still writing there is fenced.
         ``hint``: the framework's way to resume."""
         run = ShardedRun(recorder.storage)  # one listing for the root and its rank streams
-        inv = run.top
-        newest = {g: s for g in inv.gens() if (s := inv.newest_step(g)) is not None}
+        newest = {g: spans[-1][1] for g, spans in session_spans(run.root, run.top).items()}
         try:  # sharded sessions keep their steps in rank streams, not at the root
             sharded = run.resolve(None)
         except DiffCkptError:  # none, or damaged: the warning names what it can read

@@ -10,10 +10,10 @@ from typing import Any
 
 from ..errors import DiffCkptError
 from ..format import BaseName, decode_commit
-from ..inventory import Inventory, merged_spans
+from ..inventory import Inventory
 from ..keptsteps import is_kept_path, read_kept
 from ..localtier import read_local_tier
-from ..planning import continuations, continued_end
+from ..planning import session_spans
 from ..policyoptions import BY_BYTES
 from ..runstore import RunStore
 from ..tuning.risk import say_risk
@@ -110,17 +110,14 @@ def describe(store: RunStore, inv: Inventory, local_dir: str | None = None) -> d
     """Everything ``ls`` shows, as plain JSON-able data (``--json`` prints it as is).
     ``local_dir``: look for the node-local tier there too (``CheckpointOptions.local_dir``)."""
     url, sizes = store.storage.url.rstrip("/"), inv.sizes
-    sessions, links = [], continuations(store, inv)
+    sessions, spans = [], session_spans(store, inv)  # with steps rebuilt through a session continued
     for gen in sorted(set(inv.sessions) | {b.gen for b in inv.bases}):
         try:
             meta: dict[str, Any] = store.session_meta(gen)
         except (ValueError, DiffCkptError):
             meta = {"damaged": True}  # `verify` names it; listing the rest is still useful
-        newest, durable = inv.newest_step(gen), inv.durable_spans(gen)
-        link = links.get(gen)  # steps before its first base, rebuilt through the step it continues
-        end = continued_end(store, inv, gen, link) if link is not None else None
-        if link is not None and end is not None and end > link[1]:
-            newest, durable = max(end, newest or end), merged_spans([(link[1], end), *durable])
+        durable = spans.get(gen, [])
+        newest = durable[-1][1] if durable else None
         sessions.append({
             "gen": gen, "started": meta.get("started"), "resumed_from": meta.get("resumed_from"),
             "options": meta.get("options", {}), "optimizers": meta.get("optimizers", []),

@@ -81,16 +81,21 @@ class OnlineTuning:
         self._recorded_bytes = self._recorded_steps = self._newest_base_bytes = 0
 
     # ------------------------------------------------------------------ session
-    def start(self, step: int, writer: BackgroundWriter, base_bytes: Callable[[], int]) -> None:
-        """A writer session starts at ``step``; ``base_bytes()`` says what a base would hold now."""
+    def start(self, step: int, writer: BackgroundWriter, base_bytes: Callable[[], int],
+              base_step: int | None = None) -> None:
+        """A writer session starts at ``step`` (``base_step``: the newest base, which a session
+        that continues a restored step did not write); ``base_bytes()`` says what a base would
+        hold now."""
         self._writer, self._base_bytes = writer, base_bytes
-        self.join(step)
+        self.join(step, base_step)
         self._mark, self._state_s, self._aside_s = None, 0.0, 0.0
         self.decisions, self._tuned = [], False
         if self.tuner is None:
             return
         # The writer times its writes; with a journal a crash resumes from its restorable steps.
         meter = self.meter = writer.meter = Meter(self.options.max_pending_bytes, local_tier=writer.journal is not None)
+        if base_step is not None and base_step < step:  # no base written yet: its size is known, its write times come with it
+            meter.base_bytes.value = float(base_bytes())
         if self.restore_timing is not None:
             meter.add_restore(*self.restore_timing)
         storage = writer.storage
@@ -104,11 +109,12 @@ class OnlineTuning:
 
         writer.call(probe)
 
-    def join(self, step: int) -> None:
-        """Keep the review clock from a session that starts at ``step`` (every DDP rank)."""
+    def join(self, step: int, base_step: int | None = None) -> None:
+        """Keep the review clock from a session that starts at ``step`` (every DDP rank);
+        ``base_step``: the newest base, when the session does not write one at ``step``."""
         self._session_start = step
         self._next_review = step + WARMUP_STEPS
-        self._last_step = self._base_step = step
+        self._last_step, self._base_step = step, step if base_step is None else base_step
         self._sized_for = None
         self._recorded_bytes = self._recorded_steps = self._newest_base_bytes = 0
         if self.base_ratio is not None:  # sized again from this session's records
@@ -131,10 +137,11 @@ class OnlineTuning:
     @property
     def sizing_due(self) -> bool:
         """Whether ``base_every_n_steps="bytes"`` is to be sized now: a step has been recorded
-        since the newest base, and that base's interval is not sized yet. A function of the
-        steps committed and the bases written, so every rank agrees."""
+        since the newest base and in this session (whose records size it), and that base's
+        interval is not sized yet. A function of the steps committed and the bases written, so
+        every rank agrees."""
         return (self.base_ratio is not None and self._sized_for != self._base_step
-                and self._last_step > self._base_step)
+                and self._last_step > max(self._base_step, self._session_start))
 
     def size_bases(self) -> None:
         """Size the interval to the next base from what this process recorded, if due: the steps

@@ -1,12 +1,12 @@
-"""A resumed session goes on training at once: it continues the step restored, and until its own
-starting base is committed its steps are rebuilt through the session it continues.
+"""A resumed session goes on training at once: it continues the step restored and writes no base
+there. Its steps are rebuilt through the session it continues until its own first base, which is
+due when the run's next base is, counted from the base the restored step rests on.
 
-Session 1 trains to ``FIRST`` (base 0, segments up to it). Session 2 resumes, and its starting
-base's ``state.safetensors`` is held by the storage (a slow disk or object store) while it
-trains on; ``begin`` must not wait for it. The journal (node-local tier) holds the steps after
-the resume; a process killed before the base is written (``kill -9`` of a real process) or a
-``close`` that gives up loses none of them: a resume on the node commits them as session 2's
-segments, and they restore bitwise through session 1's base and segments.
+Session 1 trains to ``FIRST`` (base 0, segments up to it). Session 2 resumes and trains on to
+``LAST`` with no base of its own: every step of it restores bitwise through session 1's base and
+segments, retention keeps what they need, and compaction or the base policy gives it its own
+base. A process killed while its segments are still on the way (``kill -9`` of a real process,
+the storage holding them) loses none of the steps the node-local tier journaled.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import select
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,6 @@ import pytest
 import torch
 from engine_runs import (
     OPTIONS,
-    FaultyStorage,
     Truth,
     assert_state,
     make,
@@ -71,20 +69,6 @@ class Step:
         return {"x": self.step}
 
 
-class HeldBase(FaultyStorage):
-    """Holds the write of session 2's base until ``go`` is set; ``held`` says it is waiting."""
-
-    def __init__(self, root: str) -> None:
-        super().__init__(root)
-        self.held, self.go = threading.Event(), threading.Event()
-
-    def write(self, path: str, data: Any) -> None:
-        if path.startswith("bases/") and ".g000002/" in path and path.endswith("state.safetensors"):
-            self.held.set()
-            assert self.go.wait(60), "the test never let the base go"
-        super().write(path, data)
-
-
 @pytest.fixture(scope="module")
 def truth() -> Truth:
     """The uninterrupted run's state at every step, trained without diffckpt."""
@@ -112,28 +96,24 @@ def journaled(local: Path, root: Path) -> list[int]:
     return sorted(e["step"] for j in journals(place.folder, place.url) for e in j.entries)
 
 
-def test_a_resumed_session_trains_on_while_its_base_is_written_and_loses_nothing(tmp_path: Path,
-                                                                                  truth: Truth) -> None:
-    root, local = tmp_path / "run", tmp_path / "local"
+def bases(root: Path) -> list[tuple[int, int]]:
+    return [(b.gen, b.step) for b in RunStore(FsspecStorage(str(root))).inventory().bases]
+
+
+def test_a_resumed_session_writes_no_base_and_its_steps_restore_through_the_one_it_continues(
+        tmp_path: Path, truth: Truth) -> None:
+    root = tmp_path / "run"
     first_session(root)
-    storage = HeldBase(str(root))
-    options = CheckpointOptions(**{**SETTINGS, "local_dir": str(local)})  # type: ignore[arg-type]
-    engine = CheckpointEngine(storage, options)  # type: ignore[arg-type]
+    engine = CheckpointEngine(str(root), CheckpointOptions(**SETTINGS))  # type: ignore[arg-type]
     m, o = make()
     result = engine.resume(m, o)
-    assert result is not None and result.step == FIRST and result.continues == (1, FIRST)
-    engine.begin(m, o, FIRST, Step(FIRST))  # returns with the base held: no wait for it
+    assert result is not None and result.step == FIRST and result.continues == (1, FIRST, 0)
+    engine.begin(m, o, FIRST, Step(FIRST))
+    assert engine.durable_step == FIRST  # durable already, in session 1
     train_on(engine, m, o)
-    assert storage.held.is_set() and not storage.go.is_set()
+    assert engine.close() == LAST
     assert json.loads((root / "sessions" / "g000002.json").read_text())["continues"] == {"gen": 1, "step": FIRST}
-    release = threading.Timer(1.0, storage.go.set)  # the held write ends after close gave up
-    release.start()
-    try:
-        assert engine.close(timeout=0.3) is None  # nothing of session 2 reached the run root
-    finally:
-        release.join()
-    assert not (root / "bases" / f"{FIRST:012d}.g000002" / "COMMIT").exists()
-    assert journaled(local, root) == list(range(FIRST + 1, LAST + 1))
+    assert bases(root) == [(1, 0)]  # no base at the resume: session 2's steps rest on session 1's
 
     # While session 2 has no base, retention keeps every step (its steps need session 1's).
     store = RunStore(FsspecStorage(str(root)))
@@ -141,14 +121,12 @@ def test_a_resumed_session_trains_on_while_its_base_is_written_and_loses_nothing
     assert not gc.segments and not gc.bases
     assert any("session g2 continues step 7 of session g1" in r for k in gc.kept for r in k.reasons)
 
-    # A resume on the node commits the journaled steps as session 2's, through session 1's base.
     for step in (LAST, FIRST + 2, FIRST, 3):  # explicit steps on either side of the resume too
-        res, mod, opts = restore(str(root), step if step != LAST else None,
-                                 options=CheckpointOptions(local_dir=str(local)))
+        res, mod, opts = restore(str(root), step if step != LAST else None)
         assert (res.step, res.base_step) == (step, 0)
         assert_state(truth, res, mod, opts)
-    assert [(s.after, s.last, s.gen) for s in store.inventory().segments if s.gen == 2] == [(FIRST, LAST, 2)]
-    assert journaled(local, root) == []
+    with pytest.raises(CheckpointNotFoundError, match=r"durable steps: g1: 0\.\.7; g2: 7\.\.11\."):
+        restore(str(root), LAST + 5)  # the error names the steps rebuilt through the link too
     listed = describe(store, store.inventory())  # `diffckpt ls` says what a resume gets
     assert (listed["newest"]["gen"], listed["newest"]["step"]) == (2, LAST)
     assert [(s["gen"], s["durable"]) for s in listed["sessions"]] == [(1, [(0, FIRST)]), (2, [(FIRST, LAST)])]
@@ -170,9 +148,36 @@ def test_a_resumed_session_trains_on_while_its_base_is_written_and_loses_nothing
     assert (res.step, res.base_step) == (saved, 0)
     assert_state(truth, res, mod, opts)
     apply_gc(store, plan_gc(store, newest_only))  # without the save, only session 2's base stays
-    assert [(b.gen, b.step) for b in store.inventory().bases] == [(2, LAST)] and not store.inventory().segments
+    assert bases(root) == [(2, LAST)] and not store.inventory().segments
     with pytest.raises(CheckpointNotFoundError):
         restore(str(root), saved)
+
+
+def test_the_first_base_after_a_resume_is_due_as_the_run_s_next(tmp_path: Path,
+                                                               truth: Truth) -> None:
+    """A base every 4 steps: session 1 writes 0 and 4 and ends at 7. Session 2 writes its first at
+    8, as the run would have without the restart, not at 7. Session 3 resumes session 2's step 9
+    and writes none (12 is next). Every step restores bitwise through the sessions before it."""
+    root, every = tmp_path / "run", {**SETTINGS, "base_every_n_steps": 4}
+    assert train(str(root), FIRST, **every)[1] == FIRST
+    assert bases(root) == [(1, 0), (1, 4)]
+    for session, upto in ((2, FIRST + 2), (3, LAST)):  # two restarts in a row, the second at 9
+        engine = CheckpointEngine(str(root), CheckpointOptions(**every))  # type: ignore[arg-type]
+        m, o = make()
+        result = engine.resume(m, o)
+        assert result is not None and result.continues is not None and result.continues[0] == session - 1
+        source = Step(result.step)
+        engine.begin(m, o, result.step, source)
+        for step in range(result.step + 1, upto + 1):
+            optimizer_step(m, o, step)
+            source.step = step
+            engine.commit(step, source)
+        assert engine.end() == upto
+    assert bases(root) == [(1, 0), (1, 4), (2, 8)]  # session 3 (from 9) is not due before 12
+    for step in (LAST, FIRST + 2, FIRST + 1, FIRST):
+        res, mod, opts = restore(str(root), step if step != LAST else None)
+        assert (res.step, res.base_step) == (step, 8 if step >= 8 else 4)
+        assert_state(truth, res, mod, opts)
 
 
 KILLED = """
@@ -183,9 +188,9 @@ from test_continued_session import SETTINGS, FIRST, Step, train_on
 from diffckpt import CheckpointEngine, CheckpointOptions
 
 
-class Stuck(FaultyStorage):  # the disk takes forever with session 2's base
+class Stuck(FaultyStorage):  # the disk takes forever with session 2's segments
     def write(self, path, data):
-        if path.startswith("bases/") and ".g000002/" in path:
+        if path.startswith("diffs/") and ".g000002." in path:
             time.sleep(600)
         super().write(path, data)
 
@@ -200,7 +205,7 @@ time.sleep(600)
 """
 
 
-def test_a_process_killed_before_its_first_base_resumes_at_its_last_step(tmp_path: Path, truth: Truth) -> None:
+def test_a_process_killed_with_its_segments_on_the_way_resumes_at_its_last_journaled_step(tmp_path: Path, truth: Truth) -> None:
     root, local = tmp_path / "run", tmp_path / "local"
     first_session(root)
     script = KILLED.format(tests=os.path.join(TESTS, "core"), root=str(root), local=str(local))
@@ -208,8 +213,7 @@ def test_a_process_killed_before_its_first_base_resumes_at_its_last_step(tmp_pat
                             text=True, env=subprocess_env(), start_new_session=True)
     try:
         assert proc.stdout is not None
-        # a begin that waited for the stuck base would never get here
-        assert select.select([proc.stdout], [], [], 60)[0], "training waited for its first base after the resume"
+        assert select.select([proc.stdout], [], [], 60)[0], "training waited for its storage after the resume"
         assert proc.stdout.readline().strip() == "RECORDED", proc.stdout.read()
         deadline = time.monotonic() + 60
         while journaled(local, root) != list(range(FIRST + 1, LAST + 1)):
@@ -220,9 +224,9 @@ def test_a_process_killed_before_its_first_base_resumes_at_its_last_step(tmp_pat
         proc.wait(timeout=60)
         if proc.stdout is not None:
             proc.stdout.close()
-    assert not (root / "bases" / f"{FIRST:012d}.g000002" / "COMMIT").exists()
+    assert bases(root) == [(1, 0)] and not list((root / "diffs").glob("*.g000002.seg"))
     m, o = make()
     engine = CheckpointEngine(root, CheckpointOptions(**{**SETTINGS, "local_dir": str(local)}))  # type: ignore[arg-type]
     result = engine.resume(m, o)
-    assert result is not None and (result.step, result.base_step, result.continues) == (LAST, 0, (2, LAST))
+    assert result is not None and (result.step, result.base_step, result.continues) == (LAST, 0, (2, LAST, 0))
     assert_state(truth, result, m, o)

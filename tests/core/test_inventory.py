@@ -108,7 +108,7 @@ def test_durable_ranges_and_candidates_use_the_spans() -> None:
                               SegmentName(20, 21, 1), SegmentName(0, 1, 2)])
     assert inv.durable_spans(1) == [(0, 9), (20, 21)]
     store = RunStore(None)  # type: ignore[arg-type]  # planning from an inventory reads nothing
-    assert durable_ranges(inv) == "g1: 0..9, 20..21; g2: 0..1"
+    assert durable_ranges(store, inv) == "g1: 0..9, 20..21; g2: 0..1"
     plans = candidates(store, None, inv)
     assert [(p.base, p.target) for p in plans] == [(BaseName(0, 2), 1)]
 

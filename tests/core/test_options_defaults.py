@@ -115,6 +115,14 @@ def test_online_tuning_sizes_after_each_base_and_agrees_across_ranks() -> None:
     # A new session starts unsized.
     rank0.join(30)
     assert rank0.settings.base_every_n_steps is None
+    # One that continues step 30 resting on the base at 24 writes none at 30: it is sized from its
+    # own first record, and the next base is counted from 24.
+    rank0.join(30, 24)
+    assert not rank0.sizing_due and rank0.settings.base_every_n_steps is None
+    rank0.stepped(31, MiB // 2)
+    assert rank0.sizing_due
+    rank0.size_bases()
+    assert rank0.settings.base_every_n_steps == 24 and not rank0.sizing_due  # 4 x 3 MiB now / 0.5 MiB
 
 
 def test_fixed_and_auto_intervals_are_never_sized() -> None:
