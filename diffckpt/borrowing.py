@@ -15,9 +15,18 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-__all__ = ["BlockPool", "borrowed", "borrowing"]
+__all__ = ["ALIGN", "BlockPool", "aligned", "borrowed", "borrowing"]
 
 Span = tuple[int, int, str, torch.dtype, list[int]]  # (begin, end, name, dtype, shape) in the data
+
+ALIGN = 64
+"""Where torch's allocator places a tensor's data: a tensor decoded in place must start there."""
+
+
+def aligned(base: np.ndarray, nbytes: int) -> np.ndarray:
+    """``nbytes`` of ``base`` (``nbytes + ALIGN`` long) starting at an ``ALIGN``-byte boundary."""
+    shift = -base.ctypes.data % ALIGN
+    return base[shift : shift + nbytes]
 
 
 class BlockPool:
@@ -25,8 +34,6 @@ class BlockPool:
     back once no tensor uses it. Fresh memory costs a page fault per 4 KiB, several times the
     copy itself: 13 MB copied into fresh memory took 6.5 ms, into recycled memory 0.9 ms (with
     40 such blocks alive, as in a restore's read-ahead window). Safe to share between threads."""
-
-    ALIGN = 64
 
     def __init__(self) -> None:
         self._free: list[np.ndarray] = []
@@ -36,12 +43,11 @@ class BlockPool:
         """A uint8 tensor of ``nbytes`` whose memory comes back here when the last tensor
         viewing it is freed (a finalizer on the array DLPack holds for torch)."""
         with self._lock:  # the smallest free block that fits (by position: arrays compare by value)
-            fits = [i for i, b in enumerate(self._free) if b.nbytes - self.ALIGN >= nbytes]
+            fits = [i for i, b in enumerate(self._free) if b.nbytes - ALIGN >= nbytes]
             base = self._free.pop(min(fits, key=lambda i: self._free[i].nbytes)) if fits else None
         if base is None:
-            base = np.empty(nbytes + self.ALIGN, dtype=np.uint8)
-        shift = -base.ctypes.data % self.ALIGN
-        lease = base[shift : shift + nbytes]
+            base = np.empty(nbytes + ALIGN, dtype=np.uint8)
+        lease = aligned(base, nbytes)
         weakref.finalize(lease, self._give_back, base)
         return torch.from_dlpack(lease)
 
@@ -105,7 +111,7 @@ def _borrow(block: torch.Tensor, spans: list[Span],
             blocks: BlockPool) -> dict[str, torch.Tensor]:
     """:func:`_load_tensors` inside :func:`borrowing`: views of ``block`` where a tensor starts
     at a multiple of 64 bytes, copies into one block from ``blocks`` for the others."""
-    align = BlockPool.ALIGN
+    align = ALIGN
     base = block.data_ptr()
     # Where torch's allocator would have put the tensor: training's kernels saw that alignment,
     # and some round by it (MKL's matrix products, for one); a segment puts data at any byte.

@@ -30,7 +30,7 @@ from .segment import (
     segment_lead,
 )
 from .storage import Storage
-from .storage.spool import ranged, read_range
+from .storage.spool import ranged, read_into, read_range
 
 if TYPE_CHECKING:  # tree imports torch, which `diffckpt ls` and `gc` do without: imported where records are read
     from .borrowing import BlockPool
@@ -225,12 +225,17 @@ class RecordReader:
             return self._fetch(piece.seg, blocks)
         if piece.span is None:
             return piece.index.header, [], piece.index.problem, 0
-        from .borrowing import borrowing
+        import numpy as np
+
+        from .borrowing import ALIGN, aligned, borrowing
 
         entry, offset = piece.span
-        blob = read_range(self.storage, piece.seg.path, offset, offset + entry["length"])
+        # Read straight into fresh memory at an aligned address: the record's tensors, aligned
+        # within it (``tree.pack_parts``), are then its views, with no copy (decoded in place).
+        blob = aligned(np.empty(entry["length"] + ALIGN, dtype=np.uint8), entry["length"]).data
+        got = read_into(self.storage, piece.seg.path, offset, blob)
         with borrowing(blocks):
-            return piece.index.decode(entry, blob)
+            return piece.index.decode(entry, blob[:got])
 
     def _fetch(self, seg: SegmentName, blocks: BlockPool) -> Fetched:
         """Read and decode one whole segment (on a prefetch thread, or the caller's); its tensors

@@ -21,7 +21,7 @@ import numpy as np
 import safetensors.torch
 import torch
 
-from .borrowing import borrowed
+from .borrowing import ALIGN, borrowed
 from .errors import CorruptRecordError, UnsupportedConfigurationError
 
 __all__ = ["Layout", "decode_tree", "encode_tree", "header_length", "pack_tree", "portable", "read_layout",
@@ -168,19 +168,28 @@ def pack_parts(obj: Any) -> list[bytes | memoryview]:
     tensors: dict[str, torch.Tensor] = {}
     structure = encode_tree(obj, tensors)
     meta = json.dumps(structure, separators=(",", ":"), allow_nan=False)
-    order = sorted(tensors, key=lambda n: (-_DTYPE_ORDER.index(_DTYPE_NAMES[tensors[n].dtype]), n))
+    # Tensors of whole 64-byte lines first (safetensors' order within each group), the header padded
+    # so that data start on a line: in a buffer read to an aligned address, every such tensor is
+    # aligned as torch's allocator places tensors, and a reader takes it as a view, not a copy
+    # (``borrowing.py``). Any order and header padding are valid safetensors.
+    order = sorted(tensors, key=lambda n: (_nbytes(tensors[n]) % ALIGN != 0,
+                                           -_DTYPE_ORDER.index(_DTYPE_NAMES[tensors[n].dtype]), n))
     entries, views, offset = [], [], 0
     for name in order:
         t = tensors[name]
-        nbytes = t.numel() * t.element_size()
+        nbytes = _nbytes(t)
         entries.append(f"{json.dumps(name)}:{{\"dtype\":\"{_DTYPE_NAMES[t.dtype]}\",\"shape\":"
                        f"{json.dumps(list(t.shape), separators=(',', ':'))},\"data_offsets\":[{offset},{offset + nbytes}]}}")
         views.append(t.reshape(-1).view(torch.uint8).numpy().data if nbytes else b"")
         offset += nbytes
     header = "{" + ",".join([f'"__metadata__":{{{json.dumps(_META_KEY)}:{json.dumps(meta)}}}', *entries]) + "}"
     head = header.encode()
-    head += b" " * (-len(head) % 8)
+    head += b" " * (-(8 + len(head)) % ALIGN)
     return [struct.pack("<Q", len(head)), head, *views]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def pack_tree(obj: Any) -> bytes:

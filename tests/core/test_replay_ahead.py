@@ -19,15 +19,16 @@ from typing import Any
 
 import numpy as np
 import pytest
+import safetensors.torch
 import torch
 from engine_runs import Truth, assert_state, flip, make, record_span, restore, seg, train
 
 from diffckpt import CheckpointEngine, CorruptRecordError, recordreads
-from diffckpt.borrowing import BlockPool, borrowing
+from diffckpt.borrowing import BlockPool, aligned, borrowing
 from diffckpt.codecs.compressor import clip_gradients, clip_tensors
 from diffckpt.prefetch import THREAD_PREFIX, ReadyAhead
 from diffckpt.recordreads import RecordReader
-from diffckpt.tree import pack_tree, unpack_tree
+from diffckpt.tree import header_length, pack_tree, unpack_tree
 
 STEPS = 12
 
@@ -130,6 +131,50 @@ def test_replay_installs_the_decoded_tensors_without_copying_them(
     # install, necessarily a new tensor; every one stored as float32 is installed as decoded.
     mine = {id(t) for ts in decoded.values() for t in ts if t.dtype == torch.float32}
     assert mine and mine <= {i for ids in installed for i in ids}
+
+
+def test_a_record_keeps_whole_lines_first_after_a_padded_header_so_an_aligned_read_views_them() -> None:
+    tree = {"step": torch.tensor(3), "odd": torch.randn(3), "w": torch.randn(16, 16),
+            "h": torch.randn(32).bfloat16(), "rng": torch.zeros(5, dtype=torch.uint8)}
+    blob = pack_tree(tree)
+    assert header_length(blob) % 64 == 0
+    assert len(safetensors.torch.load(blob)) == len(tree)  # still a buffer safetensors reads
+    raw = aligned(np.empty(len(blob) + 64, dtype=np.uint8), len(blob))
+    raw[:] = np.frombuffer(blob, dtype=np.uint8)
+    with borrowing():
+        got = unpack_tree(raw.data)
+    lo, hi = raw.ctypes.data, raw.ctypes.data + raw.nbytes
+    viewed = {k for k, t in got.items() if lo <= t.data_ptr() < hi}
+    assert {"w", "h"} <= viewed and "odd" not in viewed  # whole 64-byte lines first, all aligned
+    assert all(torch.equal(got[k], t) for k, t in tree.items())
+
+
+def test_a_record_read_by_range_is_decoded_in_place(_run: tuple[Path, Truth],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A large segment's records are read one by one into aligned memory: their gradients of whole
+    64-byte lines are views of it, only the others (a bias of one float) are copied."""
+    root, truth = _run
+    monkeypatch.setattr(recordreads, "RANGED_ABOVE", 0)  # every segment read by ranges
+    fetch, seen = RecordReader._fetch_piece, []
+
+    def keep(self: RecordReader, piece: Any, blocks: BlockPool) -> Any:
+        out = fetch(self, piece, blocks)
+        if piece.span is not None:
+            seen.append((piece.span[0]["length"], [g for e in out["events"] for row in e["grads"] for g in row]))
+        return out
+
+    monkeypatch.setattr(RecordReader, "_fetch_piece", keep)
+    result, m, o = restore(str(root), STEPS)
+    assert_state(truth, result, m, o)
+    assert len(seen) == STEPS
+    for length, grads in seen:
+        whole = [g for g in grads if g.nbytes % 64 == 0]
+        rest = [g for g in grads if g.nbytes % 64]
+        assert whole and rest
+        # the tensor data read (all of the record but its header) hold every whole-line gradient
+        (storage,) = {(g.untyped_storage().data_ptr(), g.untyped_storage().nbytes()) for g in whole}
+        assert 0 < length - storage[1] <= 4096 and storage[0] % 64 == 0
+        assert all(g.untyped_storage().data_ptr() != storage[0] for g in rest)  # copied
 
 
 # ---------------------------------------------------------------------------- ready ahead
