@@ -92,8 +92,8 @@ sessions
 bases
   step  gen  size     path
   0     g1   2.4 KiB  bases/000000000000.g000001
-  5     g1   5.7 KiB  bases/000000000005.g000001
-  10    g1   5.7 KiB  bases/000000000010.g000001
+  5     g1   5.8 KiB  bases/000000000005.g000001
+  10    g1   5.8 KiB  bases/000000000010.g000001
 
 segments
   after..last  gen  steps  size     path
@@ -101,12 +101,12 @@ segments
   3..5         g1   2      5.0 KiB  diffs/000000000003-000000000005.g000001.seg
   5..8         g1   3      7.6 KiB  diffs/000000000005-000000000008.g000001.seg
   8..10        g1   2      5.1 KiB  diffs/000000000008-000000000010.g000001.seg
-  10..13       g1   3      7.5 KiB  diffs/000000000010-000000000013.g000001.seg
+  10..13       g1   3      7.7 KiB  diffs/000000000010-000000000013.g000001.seg
 
 totals
-  on storage  48.0 KiB (49128 B)
-  bases       13.8 KiB (14113 B)
-  diffs       32.7 KiB (33461 B) over 13 steps, 2.5 KiB per step
+  on storage  48.4 KiB (49512 B)
+  bases       13.9 KiB (14241 B)
+  diffs       32.9 KiB (33717 B) over 13 steps, 2.5 KiB per step
   other       1.5 KiB (1554 B)
 
 resume any durable step N with ckpt_path="<TMP>/run/step=N"

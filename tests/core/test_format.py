@@ -453,13 +453,14 @@ def test_segment_bytes_at_documented_offsets() -> None:
     assert data[:8] == SEGMENT_MAGIC == b"DCKSEG\x00\x01"
     assert data[8:12] == bytes([0x33, 0x00, 0x00, 0x00])  # L = 51, little-endian
     assert data[12:0x3F] == b'{"after":0,"compression":"none","format":4,"gen":1}'  # 12 .. 12 + L - 1
-    assert data[0x3F:0x47] == struct.pack("<Q", 920)  # first blob: its safetensors length
+    assert data[0x3F:0x47] == struct.pack("<Q", 952)  # first blob: its safetensors length
+    assert (8 + 952) % 64 == 0  # its tensor data start on a 64-byte line (section 5.1)
     assert data[0x47:0x59] == b'{"__metadata__":{"'
-    assert read_metadata(data[0x40F : 0x40F + 1088])["diffckpt.tree"].startswith('{"dict":[["step",2]')
-    assert data[0x84F : 0x84F + 21] == b'{"last":2,"records":[' and data[0x914:0x915] == b"}"
-    assert data[0x915:0x919] == struct.pack("<I", 198)  # I = 0x915 - 0x84F
-    assert len(data) == 0x929 == 2345 == 12 + 51 + 976 + 1088 + 198 + 4 + 16
-    assert data[0x919:] == xxhash.xxh3_128(data[:0x3F] + data[0x84F:0x919]).digest()
+    assert read_metadata(data[0x42F : 0x42F + 1128])["diffckpt.tree"].startswith('{"dict":[["step",2]')
+    assert data[0x897 : 0x897 + 21] == b'{"last":2,"records":[' and data[0x95E:0x95F] == b"}"
+    assert data[0x95F:0x963] == struct.pack("<I", 200)  # I = 0x95F - 0x897
+    assert len(data) == 0x973 == 2419 == 12 + 51 + 1008 + 1128 + 200 + 4 + 16
+    assert data[0x963:] == xxhash.xxh3_128(data[:0x3F] + data[0x897:0x963]).digest()
 
 
 def test_doc_hex_dump_matches_golden() -> None:
