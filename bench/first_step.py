@@ -8,8 +8,8 @@ training step is done, with the phases on the way: imports, model built, state r
 - ``plain-torch``: a plain loop that resumes with ``torch.load`` of the full state (model and
   AdamW) saved at the run's last step, ``load_state_dict`` of both, then one step;
 - ``plain-diffckpt``: the same loop with ``CheckpointEngine(root).resume`` and ``begin`` at the
-  restored step (which queues the restored state as the new session's base), then one step
-  recorded with ``commit``;
+  restored step (a session that continues it, writing no base there), then one step recorded
+  with ``commit``;
 - ``lightning-torch``: ``Trainer.fit(ckpt_path=...)`` of the ``last.ckpt`` a Lightning run
   without diffckpt saved (``ModelCheckpoint(save_last=True)``), one more step;
 - ``lightning-diffckpt``: ``Trainer.fit(ckpt_path="last")`` with ``DiffCheckpoint`` and
@@ -163,7 +163,7 @@ def timed_child(args: argparse.Namespace) -> dict[str, Any]:
             def state(self, ranks: list[Any]) -> Any:
                 return {}
 
-        engine.begin(model, [opt], result.step, Source())  # queues the restored state as its base
+        engine.begin(model, [opt], result.step, Source())  # continues the restored step: no base
         clock.mark("restored")
         step_fn(args, model, opt)(next(batches(args, 1)))
         engine.commit(result.step + 1, Source())
@@ -260,7 +260,7 @@ def main() -> None:
     lines = [f"# Time to the first step after a restart, GPT-2 {args.size}, CPU, {args.threads} thread(s)", "",
              "| configuration | imports s | built s | restored s | first step s | vs torch.load |",
              "|---|---:|---:|---:|---:|---:|"]
-    # plain-diffckpt also marks "resumed" (resume done), before begin() queues its base
+    # plain-diffckpt also marks "resumed" (resume done), before begin() opens its session
     summary: dict[str, Any] = {}
     for config, rs in runs.items():
         med = {k: statistics.median(r["phases"][k] for r in rs) for k in rs[0]["phases"]}
