@@ -56,6 +56,11 @@ class Prefetcher(Generic[K, R]):
     def __iter__(self) -> Iterator[tuple[K, R]]:
         return self
 
+    def start(self) -> None:
+        """Begin fetching now, before the caller takes an item (a restore, while it loads its base)."""
+        if self.depth:
+            self._fill()
+
     def __next__(self) -> tuple[K, R]:
         if self.depth == 0:
             key, size, _ = self._pull()

@@ -73,8 +73,16 @@ class RecordReader:
     def __init__(self, storage: Storage) -> None:
         self.storage = storage
 
+    def fetch(self, plan: RestorePlan) -> Prefetcher[_Piece, Any]:
+        """The reads of ``plan``'s records, begun now, for :meth:`read` to take (``fetching``): a
+        restore has them run while it loads the base. Close it when it is not read to the end."""
+        ahead = self._prefetcher(plan, PREFETCH_SEGMENTS)
+        ahead.start()
+        return ahead
+
     def read(self, plan: RestorePlan, *, prefetch: int | None = None,
-             stats: ReadStats | None = None, prepare: Preparer[dict[str, Any]] | None = None
+             stats: ReadStats | None = None, prepare: Preparer[dict[str, Any]] | None = None,
+             fetching: Prefetcher[_Piece, Any] | None = None
              ) -> Generator[tuple[dict[str, Any] | None, str | None], None, None]:
         """Yield ``(record, None)`` for each record after the base up to the target, in order.
 
@@ -90,7 +98,7 @@ class RecordReader:
 
         The tensors of a record are views of the segment it was read from where aligned
         (``borrowing.borrowing``), which they keep in memory: read them, never write them, and copy
-        what outlives replay.
+        what outlives replay. ``fetching``: this plan's reads begun already (:meth:`fetch`).
         ``prepare`` readies each record before it is yielded (replay decodes a step's gradients):
         with prefetching and ``prepare.ahead``, in one more background thread, at most
         :data:`PREFETCH_READY_BYTES` ahead (:class:`~diffckpt.prefetch.ReadyAhead`); otherwise
@@ -98,7 +106,7 @@ class RecordReader:
         """
         depth = PREFETCH_SEGMENTS if prefetch is None else prefetch
         ahead = prepare is not None and prepare.ahead and depth > 0
-        pairs = self._records(plan, depth, stats, count_wait=not ahead)
+        pairs = self._records(plan, fetching or self._prefetcher(plan, depth), stats, count_wait=not ahead)
         if prepare is None:
             yield from pairs
             return
@@ -121,16 +129,18 @@ class RecordReader:
             else:
                 pairs.close()
 
-    def _records(self, plan: RestorePlan, depth: int, stats: ReadStats | None, count_wait: bool
-                 ) -> Generator[tuple[dict[str, Any] | None, str | None], None, None]:
-        """:meth:`read` before preparation; ``count_wait``: add the time spent waiting
-        for reads to ``stats.wait_s`` (not when this runs on a thread of its own)."""
+    def _prefetcher(self, plan: RestorePlan, depth: int) -> Prefetcher[_Piece, Any]:
+        """The reads of ``plan``'s records, ``depth`` segments ahead, not begun."""
         from .borrowing import BlockPool
 
         blocks = BlockPool()
-        ahead: Prefetcher[_Piece, Any] = Prefetcher(
-            lambda piece: self._fetch_piece(piece, blocks), self._pieces(plan), depth,
-            max_bytes=PREFETCH_BYTES, workers=PREFETCH_WORKERS)
+        return Prefetcher(lambda piece: self._fetch_piece(piece, blocks), self._pieces(plan), depth,
+                          max_bytes=PREFETCH_BYTES, workers=PREFETCH_WORKERS)
+
+    def _records(self, plan: RestorePlan, ahead: Prefetcher[_Piece, Any], stats: ReadStats | None,
+                 count_wait: bool) -> Generator[tuple[dict[str, Any] | None, str | None], None, None]:
+        """:meth:`read` before preparation, from ``ahead``'s reads; ``count_wait``: add the time
+        spent waiting for reads to ``stats.wait_s`` (not when this runs on a thread of its own)."""
         expected_after, prev = plan.base.step, plan.base.step
         problem: str | None = None
         try:

@@ -40,6 +40,7 @@ from .errors import (
 )
 from .inventory import RestorePlan
 from .narrowing import is_split, widened
+from .prefetch import Prefetcher
 from .recordreads import ReadStats
 from .runstore import RunStore
 
@@ -231,13 +232,15 @@ def replay_progress(callback: Callable[[int, int], None]) -> Iterator[None]:
 
 def replay(store: RunStore, plan: RestorePlan, target: ReplayTarget | torch.nn.Module,
            optimizers: list[torch.optim.Optimizer], verify: bool = True,
-           loaded: tuple[dict[str, Any], Any] | None = None) -> ReplayResult:
+           loaded: tuple[dict[str, Any], Any] | None = None, fetching: Prefetcher[Any, Any] | None = None
+           ) -> ReplayResult:
     """Restore ``target`` and ``optimizers`` to ``plan.target`` (or the newest good step before it).
 
     For a plan made for the newest step (``plan.latest``), damage after the base stops replay at
     the newest intact restorable step with a warning. For an explicit step, damage raises.
     ``loaded`` is the base's ``(commit info, state tree)`` if the caller already read it
-    (:func:`diffckpt.planning.open_plan`).
+    (:func:`diffckpt.planning.open_plan`), and ``fetching`` the reads of its records it began
+    meanwhile (:meth:`RunStore.fetch_records`).
 
     On :class:`IncompatibleCheckpointError` raised before replay starts (a different model or
     optimizer), ``target`` and ``optimizers`` are untouched. An error raised during replay
@@ -268,7 +271,7 @@ def replay(store: RunStore, plan: RestorePlan, target: ReplayTarget | torch.nn.M
     decoder.last.update(result.codec_payloads)  # a compacted base carries the payloads before it
     last_applied = plan.base.step
     started, read = time.perf_counter(), ReadStats()
-    records = store.read_records(plan, stats=read,
+    records = store.read_records(plan, stats=read, fetching=fetching,
                                  prepare=_Preparer(optimizers, decoder, coded=bool(meta.get("codec"))))
     # closing: an error raised here stops the segment reads running ahead at once, not at GC
     with torch.no_grad(), contextlib.closing(records):

@@ -14,10 +14,12 @@ import torch
 
 from .baseload import ReplayTarget, read_base_into
 from .codecs.compressor import GradientCompressor
+from .inventory import RestorePlan
 from .liveload import load_into_live, modules_of
 from .locate import Located
 from .offline import read_base_on, replay_plan
 from .planning import candidates, open_plan
+from .prefetch import Prefetcher
 from .reassembly import full_state, replay_all
 from .replay import ReplayResult, replay
 from .sessionfile import recorded_device
@@ -59,11 +61,25 @@ def restore_live(loc: Located, module: torch.nn.Module, optimizers: list[torch.o
         return result, None
     start = time.perf_counter()
     target, meta = ReplayTarget.from_module(module), _session_meta(loc)
-    plan, info, base = open_plan(loc.store, loc.step, loc.inv,
-                                 read=lambda found: read_base_into(loc.store, found, target, optimizers, meta))
+    fetching: dict[int, Prefetcher[Any, Any]] = {}
+
+    def read(found: RestorePlan) -> tuple[dict[str, Any], Any]:
+        # The plan's records are read while its base loads: replay's first steps need not wait.
+        early = fetching[id(found)] = loc.store.fetch_records(found)
+        try:
+            return read_base_into(loc.store, found, target, optimizers, meta)
+        except BaseException:  # a damaged base: the next candidate's records are read instead
+            early.close()
+            raise
+
+    plan, info, base = open_plan(loc.store, loc.step, loc.inv, read=read)
     loaded = time.perf_counter()
-    with compressor.paused() if compressor else contextlib.nullcontext():
-        result = replay(loc.store, plan, target, optimizers, verify=verify, loaded=(info, base))
+    try:
+        with compressor.paused() if compressor else contextlib.nullcontext():
+            result = replay(loc.store, plan, target, optimizers, verify=verify, loaded=(info, base),
+                            fetching=fetching[id(plan)])
+    finally:  # replay read them to the end, or stopped early: what is still fetched is dropped
+        fetching[id(plan)].close()
     replayed = time.perf_counter() - loaded
     if result.step == plan.target and plan.target in {plan.base.step, *(seg.last for seg in plan.segments)}:
         result.continues = (plan.gen, plan.target, plan.base.step)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import CheckpointNotFoundError, ConcurrentWriterError, CorruptRecordError
 from .format import FORMAT_VERSION, BaseName, SegmentName, checksum_for, decode_commit
 from .inventory import Inventory, RestorePlan
-from .prefetch import Preparer
+from .prefetch import Prefetcher, Preparer
 from .recordreads import ReadStats, RecordReader
 from .storage import Storage
 
@@ -170,9 +170,16 @@ class RunStore:
         return info, state.fill()
 
     def read_records(self, plan: RestorePlan, *, prefetch: int | None = None,
-                     stats: ReadStats | None = None, prepare: Preparer[dict[str, Any]] | None = None
+                     stats: ReadStats | None = None, prepare: Preparer[dict[str, Any]] | None = None,
+                     fetching: Prefetcher[Any, Any] | None = None
                      ) -> Generator[tuple[dict[str, Any] | None, str | None], None, None]:
         """Yield ``(record, None)`` for each record after the base up to the target, in order, and
         ``(None, problem)`` once on damage: :meth:`diffckpt.recordreads.RecordReader.read` (prefetched,
-        large segments read record by record)."""
-        return RecordReader(self.storage).read(plan, prefetch=prefetch, stats=stats, prepare=prepare)
+        large segments read record by record; ``fetching``: begun by :meth:`fetch_records`)."""
+        return RecordReader(self.storage).read(plan, prefetch=prefetch, stats=stats, prepare=prepare,
+                                               fetching=fetching)
+
+    def fetch_records(self, plan: RestorePlan) -> Prefetcher[Any, Any]:
+        """Begin reading ``plan``'s records now (:meth:`diffckpt.recordreads.RecordReader.fetch`),
+        for :meth:`read_records`; close it if it is not read to the end."""
+        return RecordReader(self.storage).fetch(plan)

@@ -178,6 +178,30 @@ def test_the_window_is_bounded_in_bytes(run: tuple[Path, Truth], monkeypatch: py
     assert all(thread.startswith(PREFIX) for _, thread in storage.reads)  # still ahead of replay
 
 
+def test_the_records_are_read_while_the_base_loads(run: tuple[Path, Truth]) -> None:
+    """Replay's first records are fetched while the base is read, not after: here the read of the
+    base waits (10 s at most) until a segment's read has begun."""
+    root, truth = run
+
+    class BaseAfterRecords(ReadLog):
+        def __init__(self, root: str) -> None:
+            super().__init__(root)
+            self.began, self.waited = threading.Event(), list[bool]()
+
+        def read(self, path: str) -> bytes:
+            if path.endswith("state.safetensors"):
+                self.waited.append(self.began.wait(10))
+            elif path.startswith("diffs/"):
+                self.began.set()
+            return super().read(path)
+
+    storage = BaseAfterRecords(str(root))
+    result, m, o = restore(storage, STEPS)
+    assert_state(truth, result, m, o)
+    assert storage.waited == [True]
+    assert all(thread.startswith(PREFIX) for _, thread in storage.reads)
+
+
 def test_decoded_tensors_own_their_memory(run: tuple[Path, Truth]) -> None:
     """Records decode from views of the segment: the tensors are copies of their own, so
     keeping one (a restored step's state) keeps neither the segment nor the other tensors."""
