@@ -14,6 +14,7 @@ import torch
 from .baseload import ReplayTarget
 from .errors import UnsupportedConfigurationError
 from .inventory import RestorePlan
+from .prefetch import Prefetcher
 from .replay import ReplayResult, replay
 from .runstore import RunStore
 from .sessionfile import recorded_device
@@ -48,14 +49,15 @@ def read_base_on(store: RunStore, plan: RestorePlan, device: str) -> tuple[dict[
 
 def replay_plan(store: RunStore, plan: RestorePlan, *, device: str | None = "cpu", verify: bool = True,
                 allow_modules: tuple[str, ...] = ("torch.",),
-                loaded: tuple[dict[str, Any], Any] | None = None) -> dict[str, Any]:
+                loaded: tuple[dict[str, Any], Any] | None = None,
+                fetching: Prefetcher[Any, Any] | None = None) -> dict[str, Any]:
     """Replay ``plan`` (any committed base, not only the one :func:`diffckpt.load_state` would
     choose) onto tensors and optimizers built here.
 
     ``diffckpt verify --deep`` replays each base up to the next one to compare them.
     ``loaded`` is the base's ``(commit info, state tree)`` if the caller already read it
     (:func:`read_base_on`): its tensors on ``device`` become the state replayed and returned,
-    with no copy. ``device=None``: the device type the base's session trained on
+    with no copy, and ``fetching`` the reads of its records begun meanwhile. ``device=None``: the device type the base's session trained on
     (:func:`recorded_device`).
 
     Returns:
@@ -87,7 +89,7 @@ def replay_plan(store: RunStore, plan: RestorePlan, *, device: str | None = "cpu
                 t.copy_(sd[k])
 
     result: ReplayResult = replay(store, plan, ReplayTarget(params, buffers, load), optimizers,
-                                  verify=verify, loaded=(info, base))
+                                  verify=verify, loaded=(info, base), fetching=fetching)
     for key, name in aliases.items():  # a copy: files such as safetensors refuse shared tensors
         model[key] = model[name].clone()
     return {"step": result.step, "model": model, "optimizers": [o.state_dict() for o in optimizers],

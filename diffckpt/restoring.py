@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from .planning import candidates, open_plan
 from .prefetch import Prefetcher
 from .reassembly import full_state, replay_all
 from .replay import ReplayResult, replay
+from .runstore import RunStore
 from .sessionfile import recorded_device
 
 __all__ = ["load_located", "restore_live"]
@@ -39,9 +41,13 @@ def load_located(loc: Located, *, device: str | None = "cpu", verify: bool = Tru
         return full_state(loc.run, loc.sharded, pieces)
     if device is None:  # the device type the session trained on
         device = recorded_device(_session_meta(loc))
-    plan, info, base = open_plan(loc.store, loc.step, loc.inv, read=lambda found: read_base_on(loc.store, found, device))
-    return replay_plan(loc.store, plan, device=device, verify=verify, allow_modules=allow_modules,
-                       loaded=(info, base))
+    read, begun = _fetching_each(loc.store, lambda found: read_base_on(loc.store, found, device))
+    plan, info, base = open_plan(loc.store, loc.step, loc.inv, read=read)
+    try:
+        return replay_plan(loc.store, plan, device=device, verify=verify, allow_modules=allow_modules,
+                           loaded=(info, base), fetching=begun[id(plan)])
+    finally:  # read to the end, or replay stopped early: what is still fetched is dropped
+        begun[id(plan)].close()
 
 
 def restore_live(loc: Located, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer], *,
@@ -61,25 +67,15 @@ def restore_live(loc: Located, module: torch.nn.Module, optimizers: list[torch.o
         return result, None
     start = time.perf_counter()
     target, meta = ReplayTarget.from_module(module), _session_meta(loc)
-    fetching: dict[int, Prefetcher[Any, Any]] = {}
-
-    def read(found: RestorePlan) -> tuple[dict[str, Any], Any]:
-        # The plan's records are read while its base loads: replay's first steps need not wait.
-        early = fetching[id(found)] = loc.store.fetch_records(found)
-        try:
-            return read_base_into(loc.store, found, target, optimizers, meta)
-        except BaseException:  # a damaged base: the next candidate's records are read instead
-            early.close()
-            raise
-
+    read, begun = _fetching_each(loc.store, lambda found: read_base_into(loc.store, found, target, optimizers, meta))
     plan, info, base = open_plan(loc.store, loc.step, loc.inv, read=read)
     loaded = time.perf_counter()
     try:
         with compressor.paused() if compressor else contextlib.nullcontext():
             result = replay(loc.store, plan, target, optimizers, verify=verify, loaded=(info, base),
-                            fetching=fetching[id(plan)])
-    finally:  # replay read them to the end, or stopped early: what is still fetched is dropped
-        fetching[id(plan)].close()
+                            fetching=begun[id(plan)])
+    finally:  # read to the end, or replay stopped early: what is still fetched is dropped
+        begun[id(plan)].close()
     replayed = time.perf_counter() - loaded
     if result.step == plan.target and plan.target in {plan.base.step, *(seg.last for seg in plan.segments)}:
         result.continues = (plan.gen, plan.target, plan.base.step)
@@ -93,6 +89,24 @@ def restore_live(loc: Located, module: torch.nn.Module, optimizers: list[torch.o
             states = result.codec_states if result.step == result.base_step else None
             compressor.restore(states[rank] if states and rank < len(states) else None, result.codec_payloads)
     return result, (loaded - start, replayed / result.replayed if result.replayed else None)
+
+
+def _fetching_each(store: RunStore, read: Callable[[RestorePlan], tuple[dict[str, Any], Any]]
+                   ) -> tuple[Callable[[RestorePlan], tuple[dict[str, Any], Any]], dict[int, Prefetcher[Any, Any]]]:
+    """``read`` (a candidate plan's base, for :func:`diffckpt.planning.open_plan`) with the plan's
+    records read meanwhile, so that replay's first steps need not wait for them; and the reads
+    begun, by plan. A base that fails drops its plan's reads (the next candidate's begin)."""
+    begun: dict[int, Prefetcher[Any, Any]] = {}
+
+    def reading(found: RestorePlan) -> tuple[dict[str, Any], Any]:
+        early = begun[id(found)] = store.fetch_records(found)
+        try:
+            return read(found)
+        except BaseException:
+            early.close()
+            raise
+
+    return reading, begun
 
 
 def _session_meta(loc: Located) -> dict[str, Any]:

@@ -25,7 +25,7 @@ import torch
 from engine_runs import FaultyStorage, Truth, assert_state, flip, record_span, restore, seg, train
 from helpers import ROOT, subprocess_env
 
-from diffckpt import CorruptRecordError, StorageError, open_storage, recordreads
+from diffckpt import CorruptRecordError, StorageError, load_state, open_storage, recordreads
 from diffckpt.planning import plan
 from diffckpt.recordreads import ReadStats
 from diffckpt.runstore import RunStore
@@ -178,9 +178,11 @@ def test_the_window_is_bounded_in_bytes(run: tuple[Path, Truth], monkeypatch: py
     assert all(thread.startswith(PREFIX) for _, thread in storage.reads)  # still ahead of replay
 
 
-def test_the_records_are_read_while_the_base_loads(run: tuple[Path, Truth]) -> None:
+@pytest.mark.parametrize("how", ["restore", "load_state"])
+def test_the_records_are_read_while_the_base_loads(run: tuple[Path, Truth], how: str) -> None:
     """Replay's first records are fetched while the base is read, not after: here the read of the
-    base waits (10 s at most) until a segment's read has begun."""
+    base waits (10 s at most) until a segment's read has begun. Onto a live model and as plain
+    tensors alike."""
     root, truth = run
 
     class BaseAfterRecords(ReadLog):
@@ -196,8 +198,13 @@ def test_the_records_are_read_while_the_base_loads(run: tuple[Path, Truth]) -> N
             return super().read(path)
 
     storage = BaseAfterRecords(str(root))
-    result, m, o = restore(storage, STEPS)
-    assert_state(truth, result, m, o)
+    if how == "restore":
+        result, m, o = restore(storage, STEPS)
+        assert_state(truth, result, m, o)
+    else:
+        loaded = load_state(storage, STEPS)
+        assert loaded["step"] == STEPS
+        assert all(torch.equal(t, truth[STEPS]["model"][k]) for k, t in loaded["model"].items())
     assert storage.waited == [True]
     assert all(thread.startswith(PREFIX) for _, thread in storage.reads)
 
