@@ -31,9 +31,10 @@ def aligned(base: np.ndarray, nbytes: int) -> np.ndarray:
 
 class BlockPool:
     """64-byte aligned memory for records read by range (decoded in place) and for the copies
-    :func:`borrowing` makes of misaligned data, taken back once no tensor uses it. Fresh memory costs a page fault per 4 KiB, several times the
-    copy itself: 13 MB copied into fresh memory took 6.5 ms, into recycled memory 0.9 ms (with
-    40 such blocks alive, as in a restore's read-ahead window). Safe to share between threads."""
+    :func:`borrowing` makes of misaligned data, taken back once no tensor uses it. Fresh memory
+    costs a page fault per 4 KiB, several times the copy itself: 13 MB copied into fresh memory
+    took 6.5 ms, into recycled memory 0.9 ms (with 40 such blocks alive, as in a restore's
+    read-ahead window). Safe to share between threads."""
 
     def __init__(self) -> None:
         self._free: list[np.ndarray] = []

@@ -149,8 +149,8 @@ class CheckpointEngine:
             recorder = Recorder(dirpath, storage_options=self.storage_options)
         result = self._resumption.resume(recorder, module, optimizers, step, compressor, missing_ok)
         if result is not None:  # a session begun at it continues it: in this run root, without a codec
-            self._restored = (result.step, result.state, result.continues if recorder is self.recorder
-                              and result.codec_config is None else None)
+            link = result.continues if recorder is self.recorder and result.codec_config is None else None
+            self._restored = (result.step, result.state, link)
         return result
 
     def newest_step(self) -> int | None:

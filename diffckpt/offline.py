@@ -57,8 +57,8 @@ def replay_plan(store: RunStore, plan: RestorePlan, *, device: str | None = "cpu
     ``diffckpt verify --deep`` replays each base up to the next one to compare them.
     ``loaded`` is the base's ``(commit info, state tree)`` if the caller already read it
     (:func:`read_base_on`): its tensors on ``device`` become the state replayed and returned,
-    with no copy, and ``fetching`` the reads of its records begun meanwhile. ``device=None``: the device type the base's session trained on
-    (:func:`recorded_device`).
+    with no copy, and ``fetching`` the reads of its records begun meanwhile. ``device=None``: the
+    device type the base's session trained on (:func:`recorded_device`).
 
     Returns:
         what :func:`diffckpt.load_state` returns.

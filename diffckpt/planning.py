@@ -122,13 +122,15 @@ def continuations(store: RunStore, inv: Inventory) -> dict[int, tuple[int, int]]
     return {g: link for g in sorted(early) if (link := continued(store, g)) is not None}
 
 
-def newest_continuing(store: RunStore, inv: Inventory) -> tuple[int, int, int] | None:
+def newest_continuing(store: RunStore, inv: Inventory, links: dict[int, tuple[int, int]] | None = None
+                      ) -> tuple[int, int, int] | None:
     """``(gen, session, step)`` when the newest session that matters has no committed base of its
-    own and continues ``step`` of ``session``, which a restore can rebuild; else ``None``."""
+    own and continues ``step`` of ``session``, which a restore can rebuild; else ``None``.
+    ``links``: :func:`continuations` read already (a session file it holds is not read again)."""
     for gen in inv.gens():
         if any(b.gen == gen for b in inv.bases):
             return None
-        link = continued(store, gen)
+        link = (links or {}).get(gen) or continued(store, gen)
         if link is not None and continued_end(store, inv, gen, link) is not None:
             return gen, *link
     return None
@@ -165,8 +167,8 @@ def _through_continued(store: RunStore, inv: Inventory, gen: int, step: int | No
 
 
 def open_plan(store: RunStore, step: int | None = None, inv: Inventory | None = None,
-              gen: int | None = None, read: Callable[[RestorePlan], tuple[dict[str, Any], Any]] | None = None
-              ) -> tuple[RestorePlan, dict[str, Any], Any]:
+              gen: int | None = None, read: Callable[[RestorePlan], tuple[dict[str, Any], Any]] | None = None,
+              plans: list[RestorePlan] | None = None) -> tuple[RestorePlan, dict[str, Any], Any]:
     """Choose a plan for ``step`` (``None``: newest durable) and load its base: ``read(plan)``
     (default: :meth:`RunStore.load_base` of its base), which a restore gives to read the base
     straight into the live model (:func:`diffckpt.replay.read_base_into`).
@@ -178,7 +180,7 @@ def open_plan(store: RunStore, step: int | None = None, inv: Inventory | None = 
     step restored may be older). For ``None``, a warning also says when committed segments of
     that session lie beyond the step chosen (a missing segment cut the chain). Steps of other
     sessions are never used in place of damaged ones. ``inv`` and ``gen`` as for
-    :func:`candidates`.
+    :func:`candidates`; ``plans``: what it returned already, if the caller asked it.
 
     Raises:
         CheckpointNotFoundError: nothing is committed, or ``step`` is not durable.
@@ -186,7 +188,7 @@ def open_plan(store: RunStore, step: int | None = None, inv: Inventory | None = 
     """
     inv = inv or store.inventory()
     problems: list[str] = []
-    for found in candidates(store, step, inv, gen):
+    for found in plans if plans is not None else candidates(store, step, inv, gen):
         try:
             info, tree = read(found) if read is not None else store.load_base(found.base)
         except (CorruptRecordError, CheckpointNotFoundError) as exc:

@@ -39,15 +39,16 @@ def load_located(loc: Located, *, device: str | None = "cpu", verify: bool = Tru
         pieces = replay_all(loc.run, loc.sharded, exact=loc.step is not None, device=device, verify=verify,
                             allow_modules=allow_modules)
         return full_state(loc.run, loc.sharded, pieces)
+    plans = candidates(loc.store, loc.step, loc.inv)
     if device is None:  # the device type the session trained on
-        device = recorded_device(_session_meta(loc))
+        device = recorded_device(_base_session(loc.store, plans))
     read, begun = _fetching_each(loc.store, lambda found: read_base_on(loc.store, found, device))
-    plan, info, base = open_plan(loc.store, loc.step, loc.inv, read=read)
+    plan, info, base = open_plan(loc.store, loc.step, loc.inv, read=read, plans=plans)
     try:
         return replay_plan(loc.store, plan, device=device, verify=verify, allow_modules=allow_modules,
-                           loaded=(info, base), fetching=begun[id(plan)])
+                           loaded=(info, base), fetching=begun[-1])
     finally:  # read to the end, or replay stopped early: what is still fetched is dropped
-        begun[id(plan)].close()
+        begun[-1].close()
 
 
 def restore_live(loc: Located, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer], *,
@@ -66,16 +67,17 @@ def restore_live(loc: Located, module: torch.nn.Module, optimizers: list[torch.o
         result.step, result.state = full["step"], full["state"]
         return result, None
     start = time.perf_counter()
-    target, meta = ReplayTarget.from_module(module), _session_meta(loc)
+    plans = candidates(loc.store, loc.step, loc.inv)
+    target, meta = ReplayTarget.from_module(module), _base_session(loc.store, plans)
     read, begun = _fetching_each(loc.store, lambda found: read_base_into(loc.store, found, target, optimizers, meta))
-    plan, info, base = open_plan(loc.store, loc.step, loc.inv, read=read)
+    plan, info, base = open_plan(loc.store, loc.step, loc.inv, read=read, plans=plans)
     loaded = time.perf_counter()
     try:
         with compressor.paused() if compressor else contextlib.nullcontext():
             result = replay(loc.store, plan, target, optimizers, verify=verify, loaded=(info, base),
-                            fetching=begun[id(plan)])
+                            fetching=begun[-1])
     finally:  # read to the end, or replay stopped early: what is still fetched is dropped
-        begun[id(plan)].close()
+        begun[-1].close()
     replayed = time.perf_counter() - loaded
     if result.step == plan.target and plan.target in {plan.base.step, *(seg.last for seg in plan.segments)}:
         result.continues = (plan.gen, plan.target, plan.base.step)
@@ -92,14 +94,16 @@ def restore_live(loc: Located, module: torch.nn.Module, optimizers: list[torch.o
 
 
 def _fetching_each(store: RunStore, read: Callable[[RestorePlan], tuple[dict[str, Any], Any]]
-                   ) -> tuple[Callable[[RestorePlan], tuple[dict[str, Any], Any]], dict[int, Prefetcher[Any, Any]]]:
+                   ) -> tuple[Callable[[RestorePlan], tuple[dict[str, Any], Any]], list[Prefetcher[Any, Any]]]:
     """``read`` (a candidate plan's base, for :func:`diffckpt.planning.open_plan`) with the plan's
     records read meanwhile, so that replay's first steps need not wait for them; and the reads
-    begun, by plan. A base that fails drops its plan's reads (the next candidate's begin)."""
-    begun: dict[int, Prefetcher[Any, Any]] = {}
+    begun. A base that fails drops its plan's reads and the next candidate's begin, so the last
+    begun are those of the plan whose base loaded."""
+    begun: list[Prefetcher[Any, Any]] = []
 
     def reading(found: RestorePlan) -> tuple[dict[str, Any], Any]:
-        early = begun[id(found)] = store.fetch_records(found)
+        early = store.fetch_records(found)
+        begun.append(early)
         try:
             return read(found)
         except BaseException:
@@ -109,9 +113,9 @@ def _fetching_each(store: RunStore, read: Callable[[RestorePlan], tuple[dict[str
     return reading, begun
 
 
-def _session_meta(loc: Located) -> dict[str, Any]:
-    """What the session of the base the plain step ``loc`` restores from recorded (the session
-    whose base it is: for a session that continues another, that one's): read before the base, so
-    that a damaged or missing session file is its own error, not a reason to try an older base
-    (every candidate base is of that session, :func:`diffckpt.planning.candidates`)."""
-    return loc.store.session_meta(candidates(loc.store, loc.step, loc.inv)[0].base.gen)
+def _base_session(store: RunStore, plans: list[RestorePlan]) -> dict[str, Any]:
+    """What the session of the base that ``plans`` (a step's :func:`diffckpt.planning.candidates`)
+    restore from recorded (for a session that continues another, that one's): read before the base,
+    so that a damaged or missing session file is its own error, not a reason to try an older base
+    (every candidate base is of that session)."""
+    return store.session_meta(plans[0].base.gen)

@@ -217,10 +217,10 @@ def _plan(store: RunStore, policy: RetentionPolicy, now: float, also: Sequence[t
     streams = any(p.startswith(RANKS_PREFIX) for p in details)
     details = {p: v for p, v in details.items() if not p.startswith(RANKS_PREFIX)}
     inv = store.inventory({p: size for p, (size, _) in details.items() if not hidden(p)})
-    waiting = newest_continuing(store, inv)  # its steps need those it continues, whatever the policy
+    links = continuations(store, inv)
+    waiting = newest_continuing(store, inv, links)  # its steps need those it continues, whatever the policy
     everything = everything or (waiting and f"every step is kept: session g{waiting[0]} continues step "
                                 f"{waiting[2]} of session g{waiting[1]} and has no base of its own yet")
-    links = continuations(store, inv)
     routes: list[tuple[int, int, int]] = []
     mtimes = {p: t for p, (_, t) in details.items()}
     plan = GcPlan(url=store.storage.url.rstrip("/"), sizes={p: s for p, (s, _) in details.items()})
