@@ -263,6 +263,31 @@ def test_damage_mid_chain_is_reported_as_without_prefetch(
     assert outcomes[0] == outcomes[4]
 
 
+@pytest.mark.parametrize("damage", ["record", "truncated"])
+def test_damage_in_a_segment_read_by_ranges(run: tuple[Path, Truth], damage: str,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Records read by range into recycled blocks (large segments): a corrupt record, or a segment
+    cut inside one (its index gone), is found and handled as in a whole read."""
+    root, truth = run
+    monkeypatch.setattr(recordreads, "RANGED_ABOVE", 0)
+    path = seg(root, 8, 10)
+    data = path.read_bytes()
+    offset, length = record_span(data, 10)
+    if damage == "record":
+        flip(path, offset + length // 2)
+    else:
+        path.write_bytes(data[: offset + length // 2])
+    newest = 9 if damage == "record" else 8
+    restored, caught, error = _outcome(root, None)
+    assert restored == newest and error is None
+    assert len(caught) == 1 and _name(8, 10) in caught[0] and f"restoring step {newest}" in caught[0]
+    restored, caught, error = _outcome(root, STEPS)
+    assert restored is None and error is not None and _name(8, 10) in error
+    with pytest.warns(UserWarning, match=f"restoring step {newest}"):
+        result, m, o = restore(str(root))
+    assert_state(truth, result, m, o)
+
+
 def test_damage_before_a_failing_read_hides_it_as_in_a_sequential_read(
         run: tuple[Path, Truth], monkeypatch: pytest.MonkeyPatch) -> None:
     root, truth = run
