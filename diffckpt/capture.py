@@ -106,13 +106,14 @@ class StepCapture(Pausable):
     or, with a ``compressor``, the payloads the gradients were decoded from."""
 
     def __init__(self, optimizers: list[torch.optim.Optimizer], compressor: GradientCompressor | None = None,
-                 copy_gradients: bool = False) -> None:
+                 copy_gradients: bool = False, skip: frozenset[int] = frozenset()) -> None:
         for opt in optimizers:
             check_replayable(opt)
         self.optimizers = list(optimizers)
         self.compressor = compressor
         # Gradients are taken without a copy when training lets them go after the step.
-        self.leases = GradientLeases(self.optimizers, always_copy=copy_gradients or compressor is not None)
+        # ``skip``: parameters whose gradients are recorded by another rank (``sharding.not_owned``).
+        self.leases = GradientLeases(self.optimizers, always_copy=copy_gradients or compressor is not None, skip=skip)
         self._events: list[dict[str, Any]] = []
         self._taken: list[Lease] = []
         self._paused = False

@@ -4,7 +4,8 @@
 its :class:`~diffckpt.collective.Collective` (looked up at each use), the rank and world size,
 and the small exchanges the engine needs: a flag reduced across ranks, a decision rank 0 takes
 and every rank gets (:meth:`~Coordination.decided`, the one place that sends rank 0's answer or
-its error), and every rank's outcome of a restore. Nothing here moves tensors between ranks.
+its error), every rank's outcome of a restore, and the replicas' checksums compared. Nothing here
+moves tensors between ranks.
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from .collective import Collective, default_collective
-from .errors import DiffCkptError
+from .errors import DiffCkptError, ReplicaDivergenceError
+from .replicas import replica_problems, replica_sums
 from .tuning.model import tuning_metrics
 from .tuning.online import OnlineTuning
 
@@ -133,6 +137,24 @@ class Coordination:
         if decision is None or tuning.last_review is None:
             return {}
         return tuning_metrics(*tuning.last_review)
+
+    def check_replicas(self, module: torch.nn.Module, table: dict[str, Any]) -> None:
+        """Check that the ranks holding the same block of a parameter (``table``: this rank's
+        shard table) hold the same bits (every rank calls, at the same steps: each base).
+
+        Raises:
+            ReplicaDivergenceError: on every rank, naming each parameter and the ranks that differ.
+        """
+        gathered = self.collective.gather(replica_sums(module, table))
+        problems = self.collective.broadcast(replica_problems(gathered) if gathered is not None else None)
+        if problems:
+            more = f" and {len(problems) - 5} more" if len(problems) > 5 else ""
+            raise ReplicaDivergenceError(
+                f"ranks that hold the same block of a parameter hold different values: {'; '.join(problems[:5])}{more}. "
+                "Only the lowest rank of each replica group records the block, so this run would not resume as it "
+                "trained. Replicas diverge when they are not given the same gradients: ranks of a tensor-parallel "
+                "group drawing different random numbers (dropout seeded per rank) outside the parallelized layers, "
+                "a rank stepping on its own gradient, a change made on one rank only")
 
     @staticmethod
     def outcome(url: str, step: int, outcome: list[tuple[str, Any]]) -> list[int]:

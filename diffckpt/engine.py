@@ -69,7 +69,8 @@ class CheckpointEngine:
         self._clock: Clock | None = None  # kept after end(): what the last session reached
         self._open = False  # between begin() and end()
         self._saves = FrameworkSaves(self.recorder)  # when_restorable()
-        self._sharded = False  # the session records sharded parameters: every rank writes its stream
+        # sharded: this rank's shard table (sessionfile.open_sharded_session); every rank writes its stream
+        self._shards: dict[str, Any] | None = None
 
     # ------------------------------------------------------------ the run root
     @property
@@ -96,8 +97,7 @@ class CheckpointEngine:
     # ---------------------------------------------------------------- processes
     @property
     def collective(self) -> Collective:
-        """The processes training together: the one given, else the default process group when
-        it spans several processes (looked up at each use: it may be set up after the engine)."""
+        """The processes training together: the one given, else the default process group (at each use)."""
         return self._coord.collective
 
     @property
@@ -114,13 +114,11 @@ class CheckpointEngine:
         return self._coord.is_main_process
 
     def agree(self, flag: bool) -> bool:
-        """Whether ``flag`` holds on any process (every rank calls): e.g. a stop request that
-        one rank received, so that every rank stops at the same step."""
+        """Whether ``flag`` holds on any process (every rank calls): a stop one rank received, say."""
         return self._coord.agree(flag)
 
     def own(self, ranks: list[Any]) -> Any:
-        """This rank's entry of a per-rank list recorded at a step, or ``None`` (with a warning)
-        when the run was recorded on another number of processes."""
+        """This rank's entry of a per-rank list recorded at a step (see ``Coordination.own``)."""
         return self._coord.own(ranks)
 
     # ---------------------------------------------------------------- restoring
@@ -255,9 +253,8 @@ class CheckpointEngine:
         restored = self._restored if self._restored is not None and self._restored[0] == step else None
         self._restored = None
         refuse_flat_parameters(module)
-        table = check_sharded(module, optimizers, compressor) if (sharded := is_sharded(module)) else None
-        self._sharded = sharded
-        ranks = None if restored is not None else self._coord.rank_states(source, self._sharded)
+        self._shards = table = check_sharded(module, optimizers, compressor) if is_sharded(module) else None
+        ranks = None if restored is not None else self._coord.rank_states(source, self._shards is not None)
         codec_states, self._compressor = self._coord.codec_states(compressor), compressor
         link = restored[2] if restored is not None and table is None and compressor is None else None
         last_base = link[2] if link else step
@@ -273,6 +270,7 @@ class CheckpointEngine:
         rec.stream, rec.collects_garbage = rec.store, True  # an earlier sharded session's are gone
         if table is not None:  # every rank writes its own stream, in the session the root names
             gen, meta = open_sharded_session(self._coord, rec, meta, step, table)
+            self._shards = meta["shards"]
         rec.start(module, optimizers, step, meta=meta, compressor=compressor, gen=gen, last_base=last_base)
         if link is None:
             self._base_now(step, restored[1] if restored is not None else source.state(ranks or []), codec_states)
@@ -289,12 +287,12 @@ class CheckpointEngine:
             raise DiffCkptError(f"step {step} committed after step {clock.recorded}; steps must increase")
         rec = self.recorder
         spacing = rec.settings.every_n_steps
-        tuning = self._coord.review(rec.tuning, step, self._sharded) if rec.review_due(step) else {}
+        tuning = self._coord.review(rec.tuning, step, self._shards is not None) if rec.review_due(step) else {}
         base = force_base or rec.wants_base(step)
         # a new spacing of restorable points starts from one: no crash loses more than it states
         restorable = force_state or base or rec.settings.every_n_steps != spacing or rec.wants_state(step)
         with rec.measuring_state():
-            ranks = self._coord.rank_states(source, self._sharded) if restorable else None
+            ranks = self._coord.rank_states(source, self._shards is not None) if restorable else None
             codec_states = self._coord.codec_states(self._compressor) if base else None
             state = source.state(ranks or []) if restorable and self._writes() else None
         clock.at(step, restorable, base)
@@ -320,7 +318,7 @@ class CheckpointEngine:
         if clock.restorable == step and (not base or clock.base == step):
             return
         with self.recorder.measuring_state():
-            ranks = self._coord.rank_states(source, self._sharded)
+            ranks = self._coord.rank_states(source, self._shards is not None)
             codec_states = self._coord.codec_states(self._compressor)
         clock.at(step, True, True)
         if not self._writes():
@@ -387,7 +385,7 @@ class CheckpointEngine:
     # ------------------------------------------------------------------ internals
     def _writes(self) -> bool:
         """Whether this process records: DDP's rank 0 (all apply alike), every rank when sharded."""
-        return self._sharded or self.is_main_process
+        return self._shards is not None or self.is_main_process
 
     def _require_clock(self) -> Clock:
         if not self._open or self._clock is None:
@@ -396,5 +394,7 @@ class CheckpointEngine:
 
     def _base_now(self, step: int, state: Any, codec_states: list[Any] | None) -> None:
         _, capture, module = self.recorder._require()
+        if self._shards is not None:  # a replicated block is in one rank's base only: its replicas must agree
+            self._coord.check_replicas(module, self._shards)
         self.recorder.write_base(step, module.state_dict(), [o.state_dict() for o in capture.optimizers], state,
                                  codec_states)

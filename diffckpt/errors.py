@@ -14,6 +14,7 @@ __all__ = [
     "GradientMutatedError",
     "IncompatibleCheckpointError",
     "ReplayMismatchError",
+    "ReplicaDivergenceError",
     "StorageError",
     "StorageUnavailableError",
     "UnsupportedConfigurationError",
@@ -60,3 +61,9 @@ class ConcurrentWriterError(DiffCkptError, RuntimeError):
 class GradientMutatedError(DiffCkptError, RuntimeError):
     """A gradient a step record took without a copy was changed in place before training let go
     of it; the record is refused (set ``CheckpointOptions(copy_gradients=True)``)."""
+
+
+class ReplicaDivergenceError(DiffCkptError, RuntimeError):
+    """Ranks that hold the same block of a parameter (HSDP's replicas, a layer outside the
+    tensor-parallel plan) hold different values; only one of them records it, so the run would
+    not resume as it trained."""

@@ -146,8 +146,10 @@ class GradientLeases:
     """Takes each optimizer step's gradients for a record, leased or copied, and ends the leases
     at the points where training lets go of the gradients or would change them."""
 
-    def __init__(self, optimizers: list[torch.optim.Optimizer], always_copy: bool = False) -> None:
+    def __init__(self, optimizers: list[torch.optim.Optimizer], always_copy: bool = False,
+                 skip: frozenset[int] = frozenset()) -> None:
         self.optimizers = optimizers
+        self.skip = skip  # ids of parameters whose gradients another rank records (their replicas')
         self.always_copy = always_copy
         self._clean_steps = [0] * len(optimizers)  # steps in a row each optimizer let go cleanly
         self._watched: list[_Watched] = []
@@ -187,7 +189,7 @@ class GradientLeases:
             row: list[Any] = []
             for p in group["params"]:
                 g = p.grad
-                if g is None:
+                if g is None or id(p) in self.skip:  # skipped, replay leaves the parameter alone
                     row.append(None)
                     continue
                 plain = exclusive(g)

@@ -24,10 +24,11 @@ from .errors import (
 from .offline import replay_plan
 from .planning import candidates
 from .rankstreams import rank_prefix
+from .replicas import not_owned
 from .shardedrun import Resolution, ShardedRun
 from .sharding import assemble
 
-__all__ = ["full_state", "replay_all", "replay_rank"]
+__all__ = ["full_state", "replay_all", "replay_rank", "with_replicas"]
 
 
 def replay_rank(run: ShardedRun, res: Resolution, rank: int, upto: int, *, exact: bool, device: str = "cpu",
@@ -80,8 +81,32 @@ def replay_all(run: ShardedRun, res: Resolution, exact: bool, **kw: Any) -> list
             return [results[r] for r in range(res.world_size)]
         step = low  # a rank's stream is damaged before the others' end: all go back to its step
 
+def with_replicas(run: ShardedRun, res: Resolution, rank: int, mine: dict[str, Any], **kw: Any) -> dict[str, Any]:
+    """Rank ``rank``'s replayed pieces (``mine``) completed with the blocks another rank records
+    (its replicas'), taken from each such owner's stream replayed to the same step: the pieces a
+    live parameter at the recorded layout holds."""
+    meta = run.stream(rank).session_meta(res.gen)
+    table = meta.get("shards") or {}
+    owners: dict[int, set[str]] = {}
+    for name in not_owned(table, rank):
+        owners.setdefault(table[name]["owner"], set()).add(name)
+    aliases = meta.get("aliases") or {}
+    for owner, names in sorted(owners.items()):
+        theirs = replay_rank(run, res, owner, mine["step"], exact=True, **kw)
+        for key in list(mine["model"]):
+            if aliases.get(key, key) in names:
+                mine["model"][key] = theirs["model"][key]
+        for o, sd in enumerate(mine["optimizers"]):
+            order = [n for group in meta["optimizer_params"][o] for n in group]
+            for i, entries in theirs["optimizers"][o]["state"].items():
+                if order[int(i)] in names:
+                    sd["state"][i] = entries
+    return mine
+
+
 def full_state(run: ShardedRun, res: Resolution, pieces: list[dict[str, Any]]) -> dict[str, Any]:
-    """Full tensors from every rank's pieces (as :func:`diffckpt.load_state` returns them).
+    """Full tensors from every rank's pieces (as :func:`diffckpt.load_state` returns them); a
+    block several ranks hold is taken from the one that recorded it.
 
     The pieces are consumed one tensor at a time (each is dropped once its full tensor is
     built), so memory holds about one copy of the state, plus one tensor, not two."""
@@ -93,28 +118,33 @@ def full_state(run: ShardedRun, res: Resolution, pieces: list[dict[str, Any]]) -
             raise CorruptRecordError(f"rank {r}'s session g{res.gen} has no shard table for every parameter; "
                                      "the run cannot be reassembled")
 
+    def owners(name: str) -> list[int]:
+        return [r for r, t in enumerate(tables) if t[name].get("owner", r) == r]
+
     def full(name: str, values: list[torch.Tensor]) -> torch.Tensor:
-        return assemble([(v, t[name]["offset"]) for v, t in zip(values, tables)], tables[0][name]["shape"])
+        return assemble([(v, tables[r][name]["offset"]) for r, v in zip(owners(name), values)],
+                        tables[0][name]["shape"])
 
     model = {}
     for key in list(pieces[0]["model"]):
         values = [p["model"].pop(key) for p in pieces]
-        model[key] = full(key, values) if key in tables[0] else values[0]  # buffers are whole
+        model[key] = full(key, [values[r] for r in owners(key)]) if key in tables[0] else values[0]  # buffers: whole
     optimizers = []
     for o, sd in enumerate(pieces[0]["optimizers"]):
         order = [n for group in metas[0]["optimizer_params"][o] for n in group]
         state: dict[Any, Any] = {}
-        for i, entries in sd["state"].items():
-            name, shard = order[int(i)], tables[0][order[int(i)]]
+        for i in sorted({i for p in pieces for i in p["optimizers"][o]["state"]}, key=int):
+            name = order[int(i)]
+            ranks = owners(name)
             state[i] = {}
-            for k, v in list(entries.items()):
+            for k, v in list(pieces[ranks[0]]["optimizers"][o]["state"][i].items()):
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    if list(v.shape) != shard["local_shape"]:
+                    if list(v.shape) != tables[ranks[0]][name]["local_shape"]:
                         raise IncompatibleCheckpointError(
                             f"optimizer {o} keeps {k!r} of {name!r} in a shape other than the parameter's "
-                            f"({list(v.shape)}, piece {shard['local_shape']}); only optimizers whose state "
-                            "is elementwise can be reassembled")
-                    v = full(name, [p["optimizers"][o]["state"][i].pop(k) for p in pieces])
+                            f"({list(v.shape)}, piece {tables[ranks[0]][name]['local_shape']}); only optimizers "
+                            "whose state is elementwise can be reassembled")
+                    v = full(name, [pieces[r]["optimizers"][o]["state"][i].pop(k) for r in ranks])
                 state[i][k] = v
         optimizers.append({"state": state, "param_groups": sd["param_groups"]})
     out = dict(pieces[0], model=model, optimizers=optimizers)

@@ -32,6 +32,7 @@ from .lossbound import Restating, loss_bound
 from .options import BY_BYTES, CheckpointOptions
 from .policies import IntervalPolicy, StepContext
 from .replay import ReplayResult
+from .replicas import not_owned, recorded_pieces, without_replicas
 from .restoring import restore_live
 from .runstore import RunStore
 from .sessionfile import session_body, training_device, training_meta
@@ -116,10 +117,12 @@ class Recorder:
         """
         if self.writer is not None:
             raise DiffCkptError("start() called twice; close() the running session first")
-        self.capture = StepCapture(optimizers, compressor, copy_gradients=self.options.copy_gradients)
-        params = dict(module.named_parameters())
+        params, meta = dict(module.named_parameters()), meta or {}
+        self._skip = not_owned(meta.get("shards") or {}, meta.get("rank", 0))  # blocks a replica records
+        self.capture = StepCapture(optimizers, compressor, copy_gradients=self.options.copy_gradients,
+                                   skip=frozenset(id(params[n]) for n in self._skip))
         self._buffer_names = [k for k in module.state_dict() if k not in params]
-        body = session_body(self.options, step, {**training_meta(module, optimizers, compressor), **(meta or {})})
+        body = session_body(self.options, step, {**training_meta(module, optimizers, compressor), **meta})
         if (timing := self.tuning.restore_timing) is not None:
             body["restore_timing"] = {"base_load_s": timing[0], "replay_step_s": timing[1]}
         gen = self.kept.gen = self.stream.start_session(body, gen)
@@ -132,7 +135,7 @@ class Recorder:
         self._prev_step, self._last_base = step, step if last_base is None else last_base
         self.tuning.start(step, self.writer, self._base_bytes_now, self._last_base)
         self._base_nbytes, self._restating, self._based_at = 0, Restating(), time.perf_counter()
-        world, run = int((meta or {}).get("world_size", 1)), ShardedRun(self.storage)
+        world, run = int(meta.get("world_size", 1)), ShardedRun(self.storage)
         self._streams = world if self.stream is not self.store else 1
         o, writer, retention = self.options, self.writer, self.options.retention if self.collects_garbage else None
         if o.compact_every_n_steps is not None or retention is not None:
@@ -158,8 +161,7 @@ class Recorder:
         self.kept.release(why)
 
     def after_written(self, fn: Callable[[], Any]) -> None:
-        """``fn()`` once everything queued before is durable (on the writer thread, in order), or
-        at once when no session is open."""
+        """``fn()`` once everything queued before is durable (writer thread, in order), or now if idle."""
         self.writer.call(fn) if self.writer is not None else fn()
 
     def _context(self, step: int) -> StepContext:
@@ -173,13 +175,11 @@ class Recorder:
     # ------------------------------------------------------------------- tuning
     @property
     def settings(self) -> Settings:
-        """``every_n_steps``, ``write_batch`` and ``base_every_n_steps`` in force (the tuner's
-        choice for those on ``"auto"``)."""
+        """``every_n_steps``, ``write_batch``, ``base_every_n_steps`` in force (the tuner's if ``"auto"``)."""
         return self.tuning.settings
 
     def review_due(self, step: int) -> bool:
-        """Whether the auto-tuner reviews its settings at ``step`` (the same on every DDP rank):
-        the writer then calls :meth:`review`, the other ranks :meth:`adopt` what it chose."""
+        """Whether the tuner reviews at ``step`` (on every rank alike: the writer's choice is adopted)."""
         return self.tuning.review_due(step)
 
     def review(self, step: int) -> Decision | None:
@@ -216,8 +216,7 @@ class Recorder:
         self.tuning.join(step, self._last_base)
 
     def follow(self, step: int, base: bool) -> None:
-        """Keep the step/base clock of a process that does not write (DDP ranks other than 0), so
-        that its decisions match the writer's."""
+        """Keep the step/base clock of a process that does not write (DDP ranks but 0) as the writer's."""
         self._prev_step = step
         self.tuning.stepped(step)
         if base:
@@ -256,7 +255,7 @@ class Recorder:
         state_s = time.perf_counter() - state_start
         # Not state cost: fingerprints come every fingerprint_every_n_steps whatever the tuner picks.
         if state is not None and self.policy.wants_fingerprint(self._context(step)):
-            record["fingerprint_params"] = copy_tensors([local(p).detach() for p in module.parameters()])
+            record["fingerprint_params"] = copy_tensors(recorded_pieces(module, self._skip))
         # The step's part was counted above; add only what was attached since (no second walk).
         nbytes = step_bytes + tree_nbytes(record["state"]) + tree_nbytes(record.get("fingerprint_params", []))
         stalled = writer.stats.stall_seconds
@@ -281,7 +280,8 @@ class Recorder:
         writer, capture, module = self._require()
         start = time.perf_counter()
         # Sharded: this rank's pieces (the shard table places them); host parameters copied beside training
-        tree, copying = snapshot_tree(local_tree({"model": model_state, "optimizers": optimizer_states, "state": state}),
+        pieces = local_tree({"model": model_state, "optimizers": optimizer_states, "state": state})
+        tree, copying = snapshot_tree(without_replicas(pieces, self._skip, module, capture.optimizers),
                                       module, capture.optimizers, step)
         if codec_states and any(codec_states):
             tree["codec"] = clone_tree(list(codec_states))

@@ -23,12 +23,12 @@ from .liveload import load_into_live, modules_of
 from .localtier import merge_for_rank
 from .locate import Located, locate
 from .planning import plan, session_spans
-from .reassembly import replay_rank
+from .reassembly import replay_rank, with_replicas
 from .recorder import Recorder
 from .replay import ReplayResult
 from .restoring import load_located
 from .shardedrun import Resolution, ShardedRun
-from .sharding import is_sharded
+from .sharding import is_sharded, same_layout, shard_table
 
 __all__ = ["Resumption"]
 
@@ -54,7 +54,7 @@ class Resumption:
         sharded_here = is_sharded(module)
         if found[0] == "sharded":
             res = found[1]
-            if sharded_here and res.world_size == self.coord.world_size:
+            if sharded_here and res.world_size == self.coord.world_size and self._same_layout(recorder, module, res, loc):
                 return self._restore_pieces(recorder, module, optimizers, res, step is not None, loc)
             return self._restore_full(recorder, module, optimizers, res.step if step is not None else None, loc)
         if sharded_here:  # an unsharded run onto sharded parameters: cut from full tensors
@@ -167,9 +167,25 @@ class Resumption:
             if len(set(steps)) == 1:
                 break
             target = min(steps)
+        own = mine
+        assert own is not None
+        # the blocks this rank's replicas recorded (HSDP, a layer outside the tensor-parallel plan)
+        mine, outcome = self.coord.everyone(lambda: with_replicas(run, res, rank, own, allow_modules=allow))
+        self.coord.outcome(recorder.storage.url, target, outcome)
         assert mine is not None
         load_into_live(module, optimizers, mine, pieces=True)
         return self._restored_from(recorder, mine)
+
+    def _same_layout(self, recorder: Recorder, module: torch.nn.Module, res: Resolution, loc: Located | None) -> bool:
+        """Whether every rank holds the same blocks of every parameter as the rank of its number
+        did when recording (the mesh shape and placements; the world size was compared before)."""
+        run = loc.run if loc is not None else ShardedRun(recorder.storage)
+        try:
+            recorded = run.stream(self.coord.rank).session_meta(res.gen).get("shards") or {}
+            differs = not same_layout(shard_table(module), recorded)
+        except DiffCkptError:  # unreadable here, or a layout not recorded: the full tensors' path says why
+            differs = True
+        return not self.coord.agree(differs)
 
     def _restore_full(self, recorder: Recorder, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
                       step: int | None, loc: Located | None) -> ReplayResult:

@@ -21,6 +21,7 @@ from .codecs.compressor import GradientCompressor
 from .compat import qualname
 from .errors import UnsupportedConfigurationError
 from .options import CheckpointOptions
+from .replicas import assign_owners
 from .runstore import RunStore
 from .shardedrun import ShardedRun
 from .sharding import local
@@ -107,7 +108,9 @@ def open_sharded_session(coord: Coordination, recorder: SessionOwner, meta: dict
                          table: Any) -> tuple[int, dict[str, Any]]:
     """Open a sharded session (every rank calls): rank 0 claims it on the run root, naming the
     world size, every rank gets its generation (or rank 0's error) and ``recorder`` writes this
-    rank's own stream. Returns the generation and the rank's session ``meta`` (its shard table)."""
+    rank's own stream. Returns the generation and the rank's session ``meta``: its shard table,
+    which names the rank that records each block several ranks hold (every rank's table is
+    exchanged for that)."""
     def claim() -> int:
         sharded = {"world_size": coord.world_size, "streams": "ranks/r<rank:05d>/"}
         return recorder.store.start_session(session_body(recorder.options, step, dict(meta, sharded=sharded)))
@@ -115,4 +118,5 @@ def open_sharded_session(coord: Coordination, recorder: SessionOwner, meta: dict
     gen = int(coord.decided(claim, "opening the session"))
     recorder.stream = ShardedRun(recorder.storage).stream(coord.rank)
     recorder.collects_garbage = coord.is_main_process  # retention runs once, over the whole root
-    return gen, dict(meta, rank=coord.rank, shards=table)
+    tables = coord.collective.broadcast(coord.collective.gather(table))
+    return gen, dict(meta, rank=coord.rank, shards=assign_owners(tables)[coord.rank])

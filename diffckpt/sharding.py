@@ -1,16 +1,21 @@
-"""Sharded tensors (FSDP2 ``DTensor``): what each rank holds, and full tensors from the pieces.
+"""Sharded tensors (``DTensor``): what each rank holds, and full tensors from the pieces.
 
-Under FSDP2 (``fully_shard``) every parameter, gradient and optimizer state tensor is a
-``DTensor`` sharded along dim 0 over a 1-D mesh; each rank's piece (``to_local()``) is a compact,
-unpadded ``torch.chunk`` of the full tensor, and trailing ranks may hold 0 rows. A rank records
-only its pieces, as plain tensors, so its stream is an ordinary run of plain tensors; the *shard
-table* (written once per session) says where each piece sits in the full tensor, which is all a
-reader needs to reassemble or re-slice it on another number of processes, without a process
-group. See ``docs/sharded.md`` and ``docs/format.md`` section 12.
+Under FSDP2 (``fully_shard``), HSDP (``fully_shard`` over a ``(replicate, shard)`` mesh) and
+tensor parallelism (``parallelize_module``, then ``fully_shard`` over the data-parallel
+sub-mesh) every parameter, gradient and optimizer state tensor is a ``DTensor``. Whatever its
+placements (``Shard(d)``, ``Replicate()``, the ``_StridedShard`` that ``fully_shard`` puts over
+a tensor-parallel dim), each rank's piece (``to_local()``) is one compact block of the full
+tensor, cut by ``torch.chunk`` (:func:`block_of`); trailing ranks may hold empty pieces. A rank
+records only its pieces, as plain tensors, so its stream is an ordinary run of plain tensors;
+the *shard table* (written once per session) says where each piece sits in the full tensor, and
+which rank of those holding the same block (its replicas) records it (:mod:`diffckpt.replicas`).
+That is all a reader needs to reassemble or re-slice a tensor on another layout, without a
+process group. See ``docs/sharded.md`` and ``docs/format.md`` section 12.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, cast
 
 import torch
@@ -21,6 +26,7 @@ from .rankstreams import rank_prefix  # re-exported: they were defined here
 __all__ = [
     "ELEMENTWISE",
     "assemble",
+    "block_of",
     "check_elementwise",
     "check_sharded",
     "is_sharded",
@@ -29,15 +35,17 @@ __all__ = [
     "piece",
     "rank_prefix",
     "refuse_flat_parameters",
+    "same_layout",
     "shard_table",
     "sharded_like",
     "slice_of",
 ]
 
 try:  # torch.distributed may be built without DTensor (some minimal builds)
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 except ImportError:  # pragma: no cover - every supported torch build on CPU has it
-    DTensor = Shard = None  # type: ignore[assignment,misc]
+    DTensor = Replicate = Shard = _StridedShard = None  # type: ignore[assignment,misc]
 
 
 def _is_dtensor(t: Any) -> bool:
@@ -83,43 +91,110 @@ def is_sharded(module: torch.nn.Module) -> bool:
     return any(_is_dtensor(p) for p in module.parameters())
 
 
-def _check(name: str, p: Any) -> None:  # p: a DTensor parameter
-    mesh, placements = p.device_mesh, tuple(p.placements)
-    if mesh.ndim != 1 or len(placements) != 1 or not isinstance(placements[0], Shard) or placements[0].dim != 0:
-        raise UnsupportedConfigurationError(
-            f"parameter {name!r} is laid out as {placements} over a {mesh.ndim}-D mesh {tuple(mesh.shape)}; "
-            "diffckpt records FSDP2 parameters sharded along dim 0 over a 1-D mesh (fully_shard on a 1-D "
-            "data-parallel mesh). HSDP (replicate + shard) and tensor parallelism are not supported yet: "
-            "use a 1-D mesh, or torch.distributed.checkpoint for this run")
+def _chunk(n: int, parts: int, i: int) -> tuple[int, int]:
+    """``(offset, length)`` of piece ``i`` of ``torch.chunk`` of ``n`` elements into ``parts``
+    (as ``Shard`` cuts: pieces of ``ceil(n / parts)``, the trailing ones short or empty)."""
+    size = -(-n // parts)
+    start = min(i * size, n)
+    return start, min(size, n - start)
+
+
+def placement_name(pl: Any) -> str:
+    """A placement as the shard table writes it (``Shard(0)``, ``Replicate()``,
+    ``_StridedShard(0, 2)``), or an error naming what diffckpt does not record."""
+    if _StridedShard is not None and isinstance(pl, _StridedShard):
+        return f"_StridedShard({pl.dim}, {pl.split_factor})"
+    if isinstance(pl, Shard):
+        return f"Shard({pl.dim})"
+    if isinstance(pl, Replicate):
+        return "Replicate()"
+    raise UnsupportedConfigurationError(
+        f"the placement {pl!r} is not one diffckpt records (Shard, Replicate, and the strided shard fully_shard "
+        "puts over a tensor-parallel dim); parameters are never Partial in FSDP2, HSDP or tensor parallelism")
+
+
+def block_of(shape: list[int] | torch.Size, mesh: list[int], coord: list[int], placements: list[Any]
+             ) -> tuple[list[int], list[int]]:
+    """``(local shape, offset)`` of the block of a tensor of ``shape`` that the rank at ``coord``
+    of a mesh of shape ``mesh`` holds under ``placements`` (placement objects or their
+    :func:`placement_name`).
+
+    Plain shards cut in mesh order; then strided shards (``fully_shard`` over a dim that tensor
+    parallelism sharded first) cut what is left, in reverse mesh order: the piece is the chunk
+    by its data-parallel rank of the chunk by its tensor-parallel rank, one compact block.
+    (``torch.distributed.tensor._utils.compute_local_shape_and_global_offset`` is wrong for such
+    uneven splits over 3 or more data-parallel ranks in torch 2.13, so it is not used.)
+    """
+    offset, size = [0] * len(shape), [int(n) for n in shape]
+    cuts = [(i, _parsed(pl)) for i, pl in enumerate(placements)]
+    plain = [(i, d) for i, (d, strided) in cuts if d is not None and not strided]
+    strided = [(i, d) for i, (d, s) in reversed(cuts) if d is not None and s]
+    for i, d in plain + strided:
+        start, size[d] = _chunk(size[d], mesh[i], coord[i])
+        offset[d] += start
+    return size, offset
+
+
+def _parsed(pl: Any) -> tuple[int | None, bool]:
+    """``(dim, strided)`` of a shard placement, ``(None, False)`` for ``Replicate``."""
+    name = pl if isinstance(pl, str) else placement_name(pl)
+    if name == "Replicate()":
+        return None, False
+    inner = name[name.index("(") + 1:-1].split(",")
+    return int(inner[0]), name.startswith("_StridedShard")
+
+
+def _check_strided(name: str, placements: Any, mesh: list[int]) -> None:
+    """Refuse a strided shard other than ``fully_shard``'s over a tensor-parallel dim: its split
+    factor is the number of pieces the plain shards of that dim make, which :func:`block_of`'s
+    order of cuts assumes."""
+    for pl in placements:
+        if _StridedShard is not None and isinstance(pl, _StridedShard):
+            plain = [n for q, n in zip(placements, mesh) if isinstance(q, Shard) and q.dim == pl.dim]
+            if pl.split_factor != math.prod(plain):
+                raise UnsupportedConfigurationError(
+                    f"parameter {name!r} is laid out as {tuple(placements)} over a {mesh} mesh: a strided shard "
+                    f"with split factor {pl.split_factor} where the other shards of dim {pl.dim} make "
+                    f"{math.prod(plain)} pieces is not the layout fully_shard gives a tensor-parallel parameter, "
+                    "and diffckpt does not record it")
 
 
 def shard_table(module: torch.nn.Module) -> dict[str, dict[str, Any]]:
     """Per parameter: global shape, dtype, placements, mesh shape, this rank's coordinate, its
-    piece's shape and offset (the ``shards`` entry of a rank's session record).
+    piece's shape and offset (the ``shards`` entry of a rank's session record, before
+    :func:`assign_owners` names the rank that records each replicated block).
 
     Raises:
-        UnsupportedConfigurationError: a parameter is not sharded along dim 0 over a 1-D mesh
-            (HSDP, tensor parallelism), or some are sharded and others not.
+        UnsupportedConfigurationError: a placement diffckpt does not record, a piece that is
+            not the block the placements say, or some parameters sharded and others not.
     """
     table = {}
-    params = list(module.named_parameters())
-    for name, p in params:
-        p = cast(Any, p)  # a DTensor, checked below
+    for name, p in module.named_parameters():
+        p = cast(Any, p)  # a DTensor, checked here
         if not _is_dtensor(p):
             raise UnsupportedConfigurationError(
                 f"parameter {name!r} is not sharded while others are; apply fully_shard to the root module "
-                "too, so that every parameter is sharded")
-        _check(name, p)
-        world, coord = p.device_mesh.size(), p.device_mesh.get_local_rank()
-        rows, offset = Shard.local_shard_size_and_offset(p.shape[0], world, coord)
+                "too, so that every parameter is a DTensor")
+        mesh = p.device_mesh
+        shape, coord = list(mesh.shape), list(mesh.get_coordinate())
+        placements = [placement_name(pl) for pl in p.placements]
+        _check_strided(name, p.placements, shape)
+        local_shape, offset = block_of(p.shape, shape, coord, placements)
         table[name] = {"shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch."),
-                       "placements": ["Shard(0)"], "mesh": [world], "coord": [coord],
-                       "local_shape": [rows, *p.shape[1:]], "offset": [offset] + [0] * (p.dim() - 1)}
-        if list(local(p).shape) != table[name]["local_shape"]:  # a layout we did not check
+                       "placements": placements, "mesh": shape, "coord": coord,
+                       "local_shape": local_shape, "offset": offset}
+        if list(local(p).shape) != local_shape:  # a layout we did not check
             raise UnsupportedConfigurationError(
-                f"parameter {name!r}: the local shard is {list(local(p).shape)}, not the torch.chunk piece "
-                f"{table[name]['local_shape']} that dim-0 sharding gives; this layout is not supported")
+                f"parameter {name!r}: the local piece is {list(local(p).shape)}, not the torch.chunk block "
+                f"{local_shape} that {placements} over a {shape} mesh give; this layout is not supported")
     return table
+
+
+def same_layout(live: dict[str, dict[str, Any]], recorded: dict[str, dict[str, Any]]) -> bool:
+    """Whether a rank holds the same blocks now (``live``) as when it recorded (``recorded``)."""
+    keys = ("shape", "local_shape", "offset")
+    return sorted(live) == sorted(recorded) and all(
+        [live[n][k] for k in keys] == [recorded[n][k] for k in keys] for n in live)
 
 
 # Optimizers whose step updates each element from that element's own state and gradient: replaying
@@ -142,11 +217,12 @@ def check_elementwise(optimizers: list[torch.optim.Optimizer]) -> None:
                 "those, or torch.distributed.checkpoint for this run")
 
 
-def slice_of(shape: list[int] | torch.Size, world: int, coord: int) -> tuple[slice, ...]:
-    """The index of rank ``coord``'s piece of a tensor of ``shape`` sharded along dim 0 over
-    ``world`` ranks (``torch.chunk`` pieces, as FSDP2 cuts them)."""
-    rows, offset = Shard.local_shard_size_and_offset(int(shape[0]), world, coord)
-    return (slice(offset, offset + rows),)
+def slice_of(shape: list[int] | torch.Size, mesh: list[int], coord: list[int], placements: list[Any]
+             ) -> tuple[slice, ...]:
+    """The index of the block of a tensor of ``shape`` that the rank at ``coord`` holds
+    (:func:`block_of`)."""
+    size, offset = block_of(shape, mesh, coord, placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, size))
 
 
 def piece(full: torch.Tensor, like: Any) -> torch.Tensor:
@@ -154,7 +230,7 @@ def piece(full: torch.Tensor, like: Any) -> torch.Tensor:
     if not _is_dtensor(like):
         return full
     mesh = like.device_mesh
-    return full[slice_of(full.shape, mesh.size(), mesh.get_local_rank())]
+    return full[slice_of(full.shape, list(mesh.shape), list(mesh.get_coordinate()), list(like.placements))]
 
 
 def sharded_like(t: torch.Tensor, p: Any) -> torch.Tensor:

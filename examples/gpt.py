@@ -142,14 +142,21 @@ class GPT(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def plain_step(model: GPT, opt: torch.optim.Optimizer, sched: Any, batch: torch.Tensor) -> torch.Tensor:
+def plain_step(model: GPT, opt: torch.optim.Optimizer, sched: Any, batch: torch.Tensor,
+               per_mesh: bool = False) -> torch.Tensor:
     """One optimizer step of ``model`` in a plain PyTorch loop (no Trainer), as the benchmarks
-    drive it: next-token loss, backward, clipping, the optimizer and scheduler steps."""
+    drive it: next-token loss, backward, clipping, the optimizer and scheduler steps.
+    ``per_mesh``: clip the parameters of each device mesh apart, as torchtitan does under FSDP x
+    tensor parallelism (``clip_grad_norm_`` cannot stack norms computed over two meshes)."""
     x, y = batch[:, :-1], batch[:, 1:]
     opt.zero_grad(set_to_none=True)
     loss = F.cross_entropy(model(x).reshape(-1, model.cfg.vocab), y.reshape(-1))
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), model.hparams.clip)
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for p in model.parameters():
+        groups.setdefault(getattr(p, "device_mesh", None) if per_mesh else None, []).append(p)
+    for params in groups.values():
+        torch.nn.utils.clip_grad_norm_(params, model.hparams.clip)
     opt.step()
     sched.step()
     return loss

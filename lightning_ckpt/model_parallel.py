@@ -63,14 +63,6 @@ def check_strategy(strategy: Strategy, codec: bool) -> bool:
     for ``ModelParallelStrategy``, which needs :func:`install`."""
     name = type(strategy).__name__
     if isinstance(strategy, ModelParallelStrategy):
-        tp = _tensor_parallel_size(strategy)
-        if tp != 1:
-            raise UnsupportedConfigurationError(
-                f"DiffCheckpoint supports ModelParallelStrategy with tensor_parallel_size=1 only (FSDP2 over the "
-                f"data-parallel mesh); this run has tensor_parallel_size={tp} (the default 'auto' means every "
-                "device), whose parameters are laid out over a 2-D mesh with tensor-parallel placements that "
-                "diffckpt does not record. Use ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1), "
-                "or Lightning's own checkpointing (ModelCheckpoint, no DiffCheckpoint) for this run")
         if codec:
             raise UnsupportedConfigurationError(
                 "DiffCheckpoint(codec=...) is not supported with ModelParallelStrategy: FSDP2 reduce-scatters the "
@@ -93,14 +85,6 @@ def check_strategy(strategy: Strategy, codec: bool) -> bool:
             f"DiffCheckpoint does not support {name}. Use a single device, strategy='ddp' or {_INSTEAD}, or "
             "Lightning's ModelCheckpoint for this run")
     return False
-
-
-def _tensor_parallel_size(strategy: ModelParallelStrategy) -> Any:
-    try:  # the mesh exists once the processes are set up, before any callback's setup
-        return strategy.device_mesh["tensor_parallel"].size()
-    except RuntimeError:
-        size = getattr(strategy, "_tensor_parallel_size", 1)
-        return strategy.num_processes if size == "auto" else size
 
 
 def install(trainer: pl.Trainer, load_live: LoadLive, storage_options: dict[str, Any]) -> None:

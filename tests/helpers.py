@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -99,7 +100,7 @@ def read_output(proc: subprocess.Popen[str], kill_at_step: int | None, drain: bo
     assert proc.stdout is not None
     for line in proc.stdout:
         lines.append(line)
-        if kill_at_step is not None and line.startswith("STEP ") and int(line.split()[1]) >= kill_at_step:
+        if kill_at_step is not None and (step := step_of(line)) is not None and step >= kill_at_step:
             kill_tree(proc.pid)
             if drain:
                 lines += proc.stdout.readlines()
@@ -156,8 +157,8 @@ def terminate_at_step(script: str, args: list[str], at_step: int, prefix: list[s
     assert proc.stdout is not None
     for line in proc.stdout:
         lines.append(line)
-        if line.startswith("STEP ") and sent_after is None and int(line.split()[1]) >= at_step:
-            sent_after = int(line.split()[1])
+        if sent_after is None and (step := step_of(line)) is not None and step >= at_step:
+            sent_after = step
             proc.send_signal(signal.SIGTERM)
     rc = proc.wait(timeout=timeout)
     return rc, "".join(lines), sent_after, last_step("".join(lines))
@@ -167,7 +168,20 @@ def last_step(log: str) -> int:
     """The last ``STEP <n>`` a script printed (-1: none). Of a run killed with
     ``run_script(..., drain=True)``: the step it had reached when the kill landed, which on a
     loaded machine may be several past ``kill_at_step``, since the test reads the log late."""
-    return max((int(line.split()[1]) for line in log.splitlines() if line.startswith("STEP ")), default=-1)
+    return max(steps_in(log), default=-1)
+
+
+def step_of(line: str) -> int | None:
+    """The step of a ``STEP <n>`` line a script printed, else ``None``. The line may run on into
+    a log line that another thread wrote between print's two writes (``STEP 27INFO diffckpt: ...``):
+    only the digits are the step."""
+    m = re.match(r"STEP (\d+)", line)
+    return int(m[1]) if m else None
+
+
+def steps_in(log: str) -> list[int]:
+    """Every ``STEP <n>`` a script printed, in order."""
+    return [s for line in log.splitlines() if (s := step_of(line)) is not None]
 
 
 def run_training(script: str, args: list[str], prefix: list[str] | None = None, **kw: Any) -> str:

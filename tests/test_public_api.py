@@ -10,7 +10,7 @@ def test_core_public_api():
         "ConcurrentWriterError",
         "CorruptRecordError", "DiffCkptError", "FsspecStorage", "GradientCompressor", "GradientMutatedError",
         "IncompatibleCheckpointError",
-        "ReplayMismatchError", "ReplayResult", "RetentionPolicy", "RetryPolicy", "Storage", "StorageError",
+        "ReplayMismatchError", "ReplayResult", "ReplicaDivergenceError", "RetentionPolicy", "RetryPolicy", "Storage", "StorageError",
         "StorageUnavailableError", "TuningOptions", "UnsupportedConfigurationError", "collect_garbage", "compact",
         "export_checkpoint",
         "load_state", "open_storage",

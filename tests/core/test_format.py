@@ -307,12 +307,12 @@ def test_sharded_golden_sessions_follow_the_documented_schema() -> None:
         for name, entry in meta["shards"].items():
             assert set(entry) == {"shape", "dtype", "placements", "mesh", "coord", "local_shape", "offset"}
             full = params[name]
-            (rows,) = slice_of(entry["shape"], entry["mesh"][0], entry["coord"][0])
-            assert [rows.start] + [0] * (full.dim() - 1) == entry["offset"]
-            assert [rows.stop - rows.start, *full.shape[1:]] == entry["local_shape"]
+            index = slice_of(entry["shape"], entry["mesh"], entry["coord"], entry["placements"])
+            assert [s.start for s in index] == entry["offset"]
+            assert [s.stop - s.start for s in index] == entry["local_shape"] == list(full[index].shape)
         base = unpack_tree(golden(f"sharded/ranks/r{rank:05d}/bases/000000000000.g000001/state.safetensors"))
         for name in mg.PARAM_NAMES:  # a stream's base holds its pieces, as plain tensors
-            assert torch.equal(base["model"][name], params[name][slice_of(params[name].shape, 2, rank)])
+            assert torch.equal(base["model"][name], params[name][slice_of(params[name].shape, [2], [rank], ["Shard(0)"])])
 
 
 def test_non_restorable_step_is_refused() -> None:

@@ -1,4 +1,5 @@
-"""A Lightning run under ``ModelParallelStrategy`` (FSDP2 via ``configure_model``), 2 CPU processes.
+"""A Lightning run under ``ModelParallelStrategy`` (FSDP2 via ``configure_model``), 2 CPU processes
+(``--tp 2``: FSDP x tensor parallelism, 4 processes).
 
 Run as a subprocess (Lightning starts the second process by running this script again):
 
@@ -44,20 +45,43 @@ def tensors(module: nn.Module, optimizer: torch.optim.Optimizer, fn) -> dict:
 
 
 class Net(L.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, tp: int) -> None:
         super().__init__()
-        # dim 0 sizes 5, 3 and 1: every split over 2 ranks is uneven and rank 1 holds empty pieces
-        self.net = nn.Sequential(nn.Linear(4, 5), nn.Dropout(0.2), nn.ReLU(), nn.Linear(5, 3), nn.ReLU(),
-                                 nn.Linear(3, 1))
+        self.tp = tp
+        if tp == 1:  # dim 0 sizes 5, 3 and 1: every split over 2 ranks is uneven and rank 1 holds empty pieces
+            self.net = nn.Sequential(nn.Linear(4, 5), nn.Dropout(0.2), nn.ReLU(), nn.Linear(5, 3), nn.ReLU(),
+                                     nn.Linear(3, 1))
+        else:  # sizes the tensor-parallel plan splits evenly; the last layer, outside it, is replicated over tp
+            self.net = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.2), nn.ReLU(), nn.Linear(8, 4), nn.ReLU(),
+                                     nn.Linear(4, 1))
 
     def configure_model(self) -> None:
         from torch.distributed.fsdp import fully_shard
 
+        if self.tp > 1:  # the MLP over the tensor-parallel mesh first, as torchtitan does
+            from torch.distributed.tensor.parallel import (
+                ColwiseParallel,
+                RowwiseParallel,
+                parallelize_module,
+            )
+
+            parallelize_module(self.net, self.device_mesh["tensor_parallel"],
+                               {"0": ColwiseParallel(), "3": RowwiseParallel()})
         mesh = self.device_mesh["data_parallel"]
         for layer in self.net:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh)
         fully_shard(self.net, mesh=mesh)
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        # Under FSDP x TP, Lightning's gradient_clip_val fails (clip_grad_norm_ cannot stack norms of
+        # two meshes): clipped per mesh here, as torchtitan does; diffckpt records what the step consumed.
+        if self.tp > 1:
+            groups: dict = {}
+            for p in self.parameters():
+                groups.setdefault(p.device_mesh, []).append(p)
+            for params in groups.values():
+                torch.nn.utils.clip_grad_norm_(params, 0.05)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -98,7 +122,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--ckpt-path")
     ap.add_argument("--full", action="store_true")
-    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (above 1: refused)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (2 x tp processes)")
     ap.add_argument("--model-checkpoint", help="also a ModelCheckpoint (every 2 steps) into this directory")
     args = ap.parse_args(argv)
 
@@ -126,14 +150,15 @@ def main(argv: list[str]) -> None:
 
             callbacks.append(ModelCheckpoint(dirpath=args.model_checkpoint, every_n_train_steps=2, save_top_k=-1,
                                              save_last=True))
-    strategy = ModelParallelStrategy(data_parallel_size=2 // args.tp, tensor_parallel_size=args.tp)
-    trainer = L.Trainer(max_steps=args.steps, accelerator="cpu", devices=2, strategy=strategy, logger=False,
+    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=args.tp)
+    trainer = L.Trainer(max_steps=args.steps, accelerator="cpu", devices=2 * args.tp, strategy=strategy, logger=False,
                         enable_progress_bar=False, enable_model_summary=False,
                         enable_checkpointing=bool(args.dirpath), callbacks=callbacks, plugins=plugins,
-                        deterministic=True, accumulate_grad_batches=2, gradient_clip_val=0.05,
-                        gradient_clip_algorithm="norm", limit_val_batches=0)
+                        deterministic=True, accumulate_grad_batches=2,
+                        gradient_clip_val=0.05 if args.tp == 1 else None, gradient_clip_algorithm="norm",
+                        limit_val_batches=0)
     ckpt = args.ckpt_path or ("last" if args.resume else None)
-    model = Net()
+    model = Net(args.tp)
     trainer.fit(model, train_dataloaders=loader, ckpt_path=ckpt)
     # DiffCheckpoint's teardown took its methods off the strategy object again.
     assert not {"load_checkpoint", "save_checkpoint", "_diffckpt_glue"} & set(vars(strategy))

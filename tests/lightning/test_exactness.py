@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from helpers import assert_bitwise_equal, count_tensors, run_script
+from helpers import assert_bitwise_equal, count_tensors, run_script, steps_in
 
 SCRIPT = "tests/lightning/train_script.py"
 SEED = int(os.environ.get("DIFFCKPT_TEST_SEED", random.randrange(1 << 30)))
@@ -32,7 +32,7 @@ def reference(tmp_path_factory):
 
 
 def _first_step(log: str) -> int:
-    return next(int(line.split()[1]) for line in log.splitlines() if line.startswith("STEP "))
+    return steps_in(log)[0]
 
 
 # make soak: adamw (adamw_bf16 is the same loop with 16-bit gradients), scaler_skip (skipped AMP

@@ -13,7 +13,7 @@ import lightning as L
 import pytest
 import torch
 import train_script
-from helpers import ROOT, assert_bitwise_equal, run_script, subprocess_env
+from helpers import ROOT, assert_bitwise_equal, run_script, step_of, steps_in, subprocess_env
 from test_exactness import SCRIPT, reference  # noqa: F401  (fixture)
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -43,7 +43,7 @@ def test_model_checkpoint_saves_become_references_and_resume_exactly(tmp_path, r
     rc, log = run_script(SCRIPT, ["adamw", str(out), "--dirpath", str(tmp_path / "run2"),
                                   "--ckpt-path", str(mc / name)])
     assert rc == 0, log[-3000:]
-    first = next(int(x.split()[1]) for x in log.split("Restored all states")[1].splitlines() if x.startswith("STEP"))
+    first = steps_in(log.split("Restored all states")[1])[0]
     assert first in (ref["step"], ref["step"] + 1), (first, ref)
     assert_bitwise_equal(reference("adamw"), torch.load(out, weights_only=False))
 
@@ -80,8 +80,8 @@ def _signal_at_step(tmp_path, sig: int, step: int = 7, extra: tuple[str, ...] = 
     seen = 0
     assert proc.stdout is not None
     for line in proc.stdout:
-        if line.startswith("STEP "):
-            seen = int(line.split()[1])
+        if (now := step_of(line)) is not None:
+            seen = now
             if seen >= step:
                 proc.send_signal(sig)
                 break

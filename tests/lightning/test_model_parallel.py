@@ -2,7 +2,8 @@
 
 Every rank records its own pieces; a ``kill -9`` and a resume with ``ckpt_path="last"`` or
 ``"<dirpath>/step=N"`` continue bit-exactly on every rank, and the run read in one process gives
-the full tensors. The strategies diffckpt cannot record are refused at setup, saying why.
+the full tensors; so with tensor parallelism (4 processes). The strategies diffckpt cannot record
+are refused at setup, saying why.
 """
 
 from __future__ import annotations
@@ -110,12 +111,26 @@ def test_resume_from_an_explicit_step_is_bitwise_identical(killed_and_resumed, r
     _same_on_every_rank(reference[0], _ranks(out), "resumed from step=3")
 
 
-def test_tensor_parallel_is_refused_at_setup(tmp_path):
-    rc, log = run_script(SCRIPT, [str(tmp_path / "x"), "--steps", "2", "--dirpath", str(tmp_path / "run"),
-                                  "--tp", "2"])
-    assert rc != 0
-    assert "UnsupportedConfigurationError" in log and "tensor_parallel_size=2" in log, log[-3000:]
-    assert "STEP" not in log and not (tmp_path / "run").exists()  # refused before anything ran
+def test_fsdp_x_tensor_parallel_kill9_then_resume_is_bitwise_on_every_rank(tmp_path):
+    """``ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)``, 4 processes: the MLP
+    tensor-parallel, the last layer replicated over the tensor-parallel ranks (recorded once)."""
+    args = ["--steps", "8", "--tp", "2"]
+    rc, log = run_script(SCRIPT, [str(tmp_path / "ref"), *args, "--full"])
+    assert rc == 0, log[-3000:]
+    run = tmp_path / "run"
+    kill_at = random.Random(f"{SEED}-tensor-parallel").randrange(4, 7)  # step 3 is durable by then
+    rc, log = run_script(SCRIPT, [str(tmp_path / "x"), *args, "--dirpath", str(run)], kill_at_step=kill_at)
+    assert rc == -9, log[-2000:]
+    rc, log = run_script(SCRIPT, [str(tmp_path / "resumed"), *args, "--dirpath", str(run), "--resume"])
+    assert rc == 0, log[-3000:]
+    assert len([line for line in log.splitlines() if "diffckpt: restored step" in line]) == 4, log[-3000:]
+    for rank in range(4):
+        expected, got = (torch.load(f"{tmp_path / n}.rank{rank}", weights_only=False) for n in ("ref", "resumed"))
+        try:
+            assert_bitwise_equal(expected, got)
+        except AssertionError as exc:
+            raise AssertionError(f"rank {rank}, killed at step {kill_at} (seed {SEED}): {exc}") from None
+    _same_as_full(diffckpt.load_state(str(run)), torch.load(f"{tmp_path / 'ref'}.full", weights_only=False)[8])
 
 
 def _setup(strategy, **kwargs) -> DiffCheckpoint:

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 import train_script
-from helpers import ROOT, assert_bitwise_equal, run_script, script_env
+from helpers import ROOT, assert_bitwise_equal, run_script, script_env, step_of, steps_in
 from test_exactness import SCRIPT, reference  # noqa: F401  (fixture)
 
 import diffckpt
@@ -32,7 +32,7 @@ _AWS_REACH = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"
 
 
 def _steps(log: str) -> list[int]:
-    return [int(line.split()[1]) for line in log.splitlines() if line.startswith("STEP ")]
+    return steps_in(log)
 
 
 def _resumed_steps(log: str) -> list[int]:
@@ -69,8 +69,8 @@ class _Training:
         for line in self.proc.stdout:
             with self._cond:
                 self.lines.append(line)
-                if line.startswith("STEP "):
-                    self.step = int(line.split()[1])
+                if (step := step_of(line)) is not None:
+                    self.step = step
                 self._cond.notify_all()
         with self._cond:
             self._eof = True

@@ -4,11 +4,14 @@ Run as a script; it starts ``--world`` processes itself (so that a test can kill
 
     fsdp_loop.py OUT --steps N [--root ROOT [--resume] [--dump-restored] [--stall R:REGEX]]
                  [--world W] [--unsharded] [--full-at K] [--auto] [--keep-last-bases N] [--bf16] [--clip C] [--micro M]
+                 [--layout fsdp|hsdp|tp --mesh D0 D1] [--wide] [--diverge STEP]
 
 Without ``--root`` nothing of diffckpt is used (the reference run). Every step draws its data from
 a generator seeded by (step, rank, micro-batch), so a resumed run sees what the original saw; the
 model has dropout (the RNG matters), two micro-batches accumulate, and gradients are clipped
-(a collective under FSDP2). Rank 0 prints ``STEP n`` after each step is committed. At the end
+(a collective under FSDP2; per mesh under FSDP x TP). ``--layout hsdp`` shards over a 2-D
+``(replicate, shard)`` mesh, ``--layout tp`` makes the MLP tensor-parallel over the mesh's
+second dim and shards over its first; ranks of one tensor-parallel group share batches. Rank 0 prints ``STEP n`` after each step is committed. At the end
 each rank saves its pieces (parameters, optimizer state, scheduler, RNG) to ``OUT/rank<r>.pt``;
 ``--full-at K ...`` also saves the full tensors at step K to ``OUT/full<K>.pt`` (a collective), and
 ``--dump-restored`` the full tensors right after the resume to ``OUT/restored.pt``.
@@ -62,27 +65,60 @@ class Stalling:
         return getattr(self.inner, name)
 
 
-def make(sharded: bool, bf16: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+def make(sharded: bool, bf16: bool = False, layout: str = "fsdp", mesh_shape: tuple[int, ...] = (),
+         wide: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
     torch.manual_seed(0)
-    # dim 0 sizes 5, 3 and 1: every split over 2 ranks is uneven and rank 1 holds empty pieces
-    m = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Dropout(0.2), torch.nn.ReLU(), torch.nn.Linear(5, 3),
-                            torch.nn.ReLU(), torch.nn.Linear(3, 1))
+    if layout == "fsdp" and not wide:
+        # dim 0 sizes 5, 3 and 1: every split over 2 ranks is uneven and rank 1 holds empty pieces
+        m = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Dropout(0.2), torch.nn.ReLU(), torch.nn.Linear(5, 3),
+                                torch.nn.ReLU(), torch.nn.Linear(3, 1))
+    else:  # 2-D: sizes a tensor-parallel plan splits evenly over 1, 2 or 4 ranks; the last layer's 1 row unevenly
+        m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2), torch.nn.ReLU(), torch.nn.Linear(8, 4),
+                                torch.nn.ReLU(), torch.nn.Linear(4, 1))
     if sharded:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         kw: dict[str, Any] = {}
         if bf16:
             from torch.distributed.fsdp import MixedPrecisionPolicy
 
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+        if layout == "tp":  # FSDP x TP as torchtitan and Lightning do: the MLP over "tp", then FSDP over "dp"
+            from torch.distributed.tensor.parallel import (
+                ColwiseParallel,
+                RowwiseParallel,
+                parallelize_module,
+            )
+
+            world = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp"))
+            parallelize_module(m, world["tp"], {"0": ColwiseParallel(), "3": RowwiseParallel()})
+            mesh = world["dp"]
+        elif layout == "hsdp":  # fully_shard over a (replicate, shard) mesh
+            mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         for layer in m:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, mesh=mesh, **kw)
         fully_shard(m, mesh=mesh, **kw)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
     return m, opt, torch.optim.lr_scheduler.StepLR(opt, 3, 0.7)
+
+
+def data_rank(rank: int, args: argparse.Namespace) -> int:
+    """Whose batches a rank trains on: tensor-parallel ranks of one data-parallel rank share them."""
+    return rank // args.mesh[1] if args.layout == "tp" else rank
+
+
+def clip(m: torch.nn.Module, max_norm: float) -> None:
+    """Clip per mesh, as torchtitan does under FSDP x TP (clip_grad_norm_ cannot stack norms
+    computed over two meshes); one group under FSDP2 and HSDP."""
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for p in m.parameters():
+        groups.setdefault(getattr(p, "device_mesh", None), []).append(p)
+    for params in groups.values():
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -107,7 +143,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    m, opt, sched = make(not args.unsharded, args.bf16)
+    m, opt, sched = make(not args.unsharded, args.bf16, args.layout, tuple(args.mesh), args.wide)
     torch.manual_seed(1000 + rank)
     first, engine, based = 0, None, []
     if args.root:
@@ -140,10 +176,14 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
         engine.begin(m, [opt], first, LoopState(sched))
     for step in range(first + 1, args.steps + 1):
         for micro in range(args.micro):
-            x = torch.randn(6, 4, generator=torch.Generator().manual_seed(1000 * step + 10 * rank + micro))
+            seed = 1000 * step + 10 * data_rank(rank, args) + micro
+            x = torch.randn(6, 4, generator=torch.Generator().manual_seed(seed))
             (m(x).pow(2).mean() / args.micro).backward()
-        torch.nn.utils.clip_grad_norm_(m.parameters(), args.clip)
+        clip(m, args.clip)
         opt.step()
+        if step == args.diverge and rank == args.world - 1:  # a replica changed on one rank alone
+            with torch.no_grad():
+                local(next(m.parameters())).add_(1.0)
         sched.step()
         opt.zero_grad()
         if engine is not None and engine.commit(step, LoopState(sched)).base:
@@ -171,6 +211,12 @@ def main() -> None:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--unsharded", action="store_true", help="a plain module, no fully_shard (with --world 1)")
+    p.add_argument("--layout", choices=("fsdp", "hsdp", "tp"), default="fsdp",
+                   help="fsdp: a 1-D mesh; hsdp: fully_shard over --mesh (replicate, shard); tp: the MLP "
+                        "tensor-parallel over --mesh's second dim, then fully_shard over its first")
+    p.add_argument("--wide", action="store_true", help="the 2-D layouts' model, on a 1-D mesh or unsharded")
+    p.add_argument("--mesh", type=int, nargs=2, default=(1, 1), metavar=("DIM0", "DIM1"))
+    p.add_argument("--diverge", type=int, default=-1, help="the last rank changes its first piece at this step")
     p.add_argument("--full-at", type=int, nargs="*", default=[])
     p.add_argument("--dump-restored", action="store_true")
     p.add_argument("--bf16", action="store_true", help="MixedPrecisionPolicy: bfloat16 parameters and reduction")

@@ -165,11 +165,12 @@ def test_nothing_durable_on_every_rank_is_a_clear_error(tmp_path):
         diffckpt.load_state(root)
 
 
-# make soak: the example trains, kills and resumes as the kill -9 tests of this file do, through the same
-# CheckpointEngine calls; they cover it by default (the suite's 25 minutes on CI's 2 cores).
+# make soak: the example trains, kills and resumes as the kill -9 tests of this file and test_fsdp_2d.py do,
+# through the same CheckpointEngine calls; they cover it by default (the suite's 25 minutes on CI's 2 cores).
 @pytest.mark.slow
-def test_the_example_resumes_bit_exact():
-    rc, log = run_script("examples/sharded_train.py", ["--steps", "12", "--kill-at", "7"])
+@pytest.mark.parametrize("layout", ["fsdp", "hsdp", "tp"])
+def test_the_example_resumes_bit_exact(layout):
+    rc, log = run_script("examples/sharded_train.py", ["--steps", "12", "--kill-at", "7", "--layout", layout])
     assert rc == 0, log
     assert "killed the job with SIGKILL after step 7" in log and "bit-exact" in log and "NOT" not in log
 

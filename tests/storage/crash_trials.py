@@ -31,7 +31,7 @@ from typing import Any
 
 import crash_script
 import torch
-from helpers import subprocess_env
+from helpers import step_of, steps_in, subprocess_env
 
 from diffckpt import cli
 from diffckpt.journalfile import read_journal
@@ -148,7 +148,7 @@ def run_trial(trial: Trial, truth: str) -> Outcome:
         return bool(wait_for) and seen == wait_for  # (a proxy's kill waits for its handle)
 
     when: Callable[[str], bool] = (
-        (lambda line: line.startswith("STEP ") and int(line.split()[1]) >= kill_step) if kill_step is not None
+        (lambda line: (step := step_of(line)) is not None and step >= kill_step) if kill_step is not None
         else paused)
 
     def read() -> None:
@@ -174,7 +174,7 @@ def run_trial(trial: Trial, truth: str) -> Outcome:
     reader.join(timeout=10)
     if handle is not None:
         handle.release()
-    steps = [int(x.split()[1]) for x in lines if x.startswith("STEP ")]
+    steps = steps_in("\n".join(lines))
     durable = [int(x.split()[1]) for x in lines if x.startswith("DURABLE ") and x.split()[1] != "None"]
     outcome = Outcome(_phase(lines, kill), max(steps, default=0), max(durable, default=None), None, lines,
                       trial.local_dir is not None, "local" if "://" not in trial.url else trial.url.split("://")[0])
