@@ -12,7 +12,8 @@ reverses every other round), every run in a fresh temp dir:
 
 1. ``none``: no checkpointing, the baseline;
 2. ``diffckpt``: ``CheckpointEngine`` with default options (every step restorable,
-   ``write_batch`` 8, a base every 500 steps, so only the starting base here), ``begin`` at step
+   ``write_batch`` 8, bases sized by bytes) but retention off (every step restorable and every
+   byte written counted), ``begin`` at step
    0, ``commit`` after every step, ``end`` at the end; every rank writes its own stream of
    gradient pieces under ``ranks/r<rank>/``;
 3. ``dcp-async-1``: ``torch.distributed.checkpoint.async_save`` every step;
@@ -79,7 +80,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
 from gpt import GPT, SIZES, make_dataset, plain_step
 from provenance import header, report_path, write_report
 
-from diffckpt import CheckpointEngine
+from diffckpt import CheckpointEngine, CheckpointOptions
 from diffckpt.rng import get_rng_state
 from diffckpt.sharding import local, rank_prefix
 
@@ -230,7 +231,8 @@ def run_once(config: str, args: argparse.Namespace, mesh: Any, pg: Any, data: to
     truth: dict[int, dict[str, torch.Tensor]] = {}
     whole: dict[int, dict[str, torch.Tensor]] = {}  # full tensors, for restores onto another layout
     if config == "diffckpt":
-        engine = CheckpointEngine(path)
+        # retention off: every step stays restorable and every byte written is on disk to count
+        engine = CheckpointEngine(path, CheckpointOptions(retention=None))
         engine.begin(model, [opt], 0, LoopState(sched))
         writer = engine.recorder.writer  # its stats stay readable after end()
     for step in range(1, steps + 1):
@@ -525,7 +527,7 @@ def main() -> None:
          "AdamW + OneCycleLR, gradient clipping"),
         (f"- {args.steps} optimizer steps per run, first {args.warmup} untimed; {args.rounds} interleaved rounds; "
          f"temp dirs on local disk; diffckpt: `CheckpointOptions()` defaults (every step restorable, write_batch 8, "
-         f"base every 500 steps: only the starting base); DCP sparse saves every {args.dcp_every} steps"),
+         f"bases sized by bytes, retention off); DCP sparse saves every {args.dcp_every} steps"),
         (f"- restore: {args.repeats} interleaved repeats, medians, warm page cache; bench wall time {wall:.0f} s, "
          "load average after it " + " / ".join(f"{x:.2f}" for x in os.getloadavg())),
     ]

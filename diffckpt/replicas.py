@@ -72,7 +72,7 @@ def replica_sums(module: torch.nn.Module, table: dict[str, dict[str, Any]]) -> d
     for name, p in module.named_parameters():
         if "replicas" in table.get(name, {}):
             t = local(p).detach()
-            bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+            bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}.get(t.element_size(), torch.uint8)
             sums[name] = (table[name]["replicas"], int(t.reshape(-1).view(bits).to(torch.int64).sum()))
     return sums
 
