@@ -96,15 +96,18 @@ def tree_names(root: Path, rank: int) -> list[list[str]]:
 
 
 def test_resume_on_other_layouts_and_world_sizes_restores_the_state_exactly(tmp_path):
-    """FSDP x TP 2x2 -> HSDP 4x1 -> TP 1x4 -> FSDP2 on 2 processes -> one process consolidating.
+    """One process unsharded -> FSDP x TP 2x2 -> HSDP 4x1 -> TP 1x4 -> FSDP2 on 2 processes -> one
+    process unsharded -> one process consolidating (``load_state``), all on one run root.
 
     The state restored is exact on every layout; the training after it is not bit-identical to
     the run that would have continued on the old layout, since the reductions change."""
     root = tmp_path / "run"
-    runs = [("a", 4, ["--world", "4", "--layout", "tp", "--mesh", "2", "2"]),
-            ("b", 6, ["--world", "4", "--layout", "hsdp", "--mesh", "4", "1"]),
-            ("c", 8, ["--world", "4", "--layout", "tp", "--mesh", "1", "4"]),
-            ("d", 10, ["--world", "2", "--wide"])]
+    runs = [("a", 2, ["--world", "1", "--unsharded", "--layout", "tp"]),
+            ("b", 4, ["--world", "4", "--layout", "tp", "--mesh", "2", "2"]),
+            ("c", 6, ["--world", "4", "--layout", "hsdp", "--mesh", "4", "1"]),
+            ("d", 8, ["--world", "4", "--layout", "tp", "--mesh", "1", "4"]),
+            ("e", 10, ["--world", "2", "--wide"]),
+            ("f", 12, ["--world", "1", "--unsharded", "--layout", "tp"])]
     before = None
     for name, steps, args in runs:
         train(tmp_path / name, steps, *args, "--root", str(root), "--full-at", str(steps),
@@ -116,8 +119,8 @@ def test_resume_on_other_layouts_and_world_sizes_restores_the_state_exactly(tmp_
             assert_bitwise_equal(expected["model"], restored["model"], f"{prev} -> {name}")
             assert_bitwise_equal(expected["optimizer"], restored["optimizer"], f"{prev} -> {name}")
         before = (name, steps)
-    state, expected = diffckpt.load_state(root), load(tmp_path / "d" / "full10.pt")
-    assert state["step"] == 10
+    state, expected = diffckpt.load_state(root), load(tmp_path / "f" / "full12.pt")
+    assert state["step"] == 12
     assert_bitwise_equal(expected["model"], state["model"])
     assert_bitwise_equal(expected["optimizer"], state["optimizers"][0]["state"])
 

@@ -79,6 +79,9 @@ def test_kill_at_a_random_step_and_resume_is_bitwise_on_every_rank(reference, tm
         assert_full_equal(load(reference / f"full{step}.pt"), diffckpt.load_state(root, step))
 
 
+# make soak: test_fsdp_2d.py's chain of layouts (1 unsharded -> 4 -> ... -> 2 -> 1 unsharded) covers these
+# restores by default, on the 2-D model.
+@pytest.mark.slow
 def test_layout_changes_restore_the_saved_step_exactly(reference, tmp_path):
     # 1 -> 2: a single-process run (no sharding) resumed by a 2-rank FSDP2 job.
     one = tmp_path / "one"
