@@ -9,10 +9,12 @@ trained if they differed. See ``docs/sharded.md``.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
+from .checksums import fingerprint
 from .sharding import local
 
 __all__ = ["assign_owners", "not_owned", "recorded_pieces", "replica_problems", "replica_sums", "without_replicas"]
@@ -24,13 +26,16 @@ def assign_owners(tables: list[dict[str, dict[str, Any]]]) -> list[dict[str, dic
 
     Ranks hold the same block of a parameter when its offset and shape are the same (HSDP's
     replicate dim; a layer outside the tensor-parallel plan, over the tensor-parallel ranks).
-    A block held by one rank gets neither key, so a 1-D FSDP2 table is written as before.
+    A block held by one rank gets neither key, nor does an empty one (trailing ranks of an uneven
+    split hold empty pieces at the same offset: nothing to record, nothing to take from another
+    stream), so a 1-D FSDP2 table is written as before.
     """
     out = [{n: dict(e) for n, e in t.items()} for t in tables]
     for name in tables[0]:
         groups: dict[tuple[Any, ...], list[int]] = {}
         for r, t in enumerate(tables):
-            groups.setdefault((tuple(t[name]["offset"]), tuple(t[name]["local_shape"])), []).append(r)
+            if math.prod(t[name]["local_shape"]):
+                groups.setdefault((tuple(t[name]["offset"]), tuple(t[name]["local_shape"])), []).append(r)
         for ranks in groups.values():
             if len(ranks) > 1:
                 for r in ranks:
@@ -64,23 +69,19 @@ def without_replicas(tree: dict[str, Any], skip: set[str], module: torch.nn.Modu
     return dict(tree, model=model, optimizers=states)
 
 
-def replica_sums(module: torch.nn.Module, table: dict[str, dict[str, Any]]) -> dict[str, tuple[list[int], int]]:
-    """Per replicated block held here: its replicas (ranks) and a checksum of its bits, their
-    sum as int64 (wrapping), the same on every replica exactly when they agree (but for a
-    collision)."""
-    sums = {}
-    for name, p in module.named_parameters():
-        if "replicas" in table.get(name, {}):
-            t = local(p).detach()
-            bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}.get(t.element_size(), torch.uint8)
-            sums[name] = (table[name]["replicas"], int(t.reshape(-1).view(bits).to(torch.int64).sum()))
-    return sums
+def replica_sums(module: torch.nn.Module, table: dict[str, dict[str, Any]]) -> dict[str, tuple[list[int], str]]:
+    """Per replicated block held here: its replicas (ranks) and its fingerprint (XXH3-128 of its
+    bytes in order, :func:`diffckpt.checksums.fingerprint`): equal on every replica exactly when
+    their bits agree, where a sum of the bits would miss differences that cancel (one element an
+    ulp up, another an ulp down, as nondeterministic kernels leave them)."""
+    return {name: (table[name]["replicas"], fingerprint([local(p).detach()]))
+            for name, p in module.named_parameters() if "replicas" in table.get(name, {})}
 
 
-def replica_problems(sums: list[dict[str, tuple[list[int], int]]]) -> list[str]:
+def replica_problems(sums: list[dict[str, tuple[list[int], str]]]) -> list[str]:
     """Every replicated block whose replicas disagree (``sums``: each rank's
     :func:`replica_sums`, in rank order), named with the ranks on each side."""
-    groups: dict[tuple[str, tuple[int, ...]], dict[int, list[int]]] = {}
+    groups: dict[tuple[str, tuple[int, ...]], dict[str, list[int]]] = {}
     for rank, mine in enumerate(sums):
         for name, (replicas, value) in mine.items():
             groups.setdefault((name, tuple(replicas)), {}).setdefault(value, []).append(rank)

@@ -183,8 +183,8 @@ class Resumption:
         try:
             recorded = run.stream(self.coord.rank).session_meta(res.gen).get("shards") or {}
             differs = not same_layout(shard_table(module), recorded)
-        except DiffCkptError:  # unreadable here, or a layout not recorded: the full tensors' path says why
-            differs = True
+        except Exception:  # unreadable here, or a layout not recorded: the full tensors' path says why (every
+            differs = True  # rank must reach the agreement below, or the others wait forever)
         return not self.coord.agree(differs)
 
     def _restore_full(self, recorder: Recorder, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],

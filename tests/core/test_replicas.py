@@ -49,16 +49,32 @@ def test_owners_are_the_lowest_rank_of_each_replica_group_and_the_others_skip():
     assert [t["w"]["owner"] for t in owned] == [0, 1, 0, 1]
     assert [t["w"]["replicas"] for t in owned] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     assert [not_owned(t, r) for r, t in enumerate(owned)] == [set(), set(), {"w"}, {"w"}]
-    # 1-D FSDP2: every block held once, and written without the keys, as before
-    assert assign_owners([{"w": entry(0, 2)}, {"w": entry(2, 2)}]) == [{"w": entry(0, 2)}, {"w": entry(2, 2)}]
+    # 1-D FSDP2: every block held once, and written without the keys, as before; empty trailing
+    # pieces at one offset are no replicas (nothing to record or to take from another stream)
+    one_d = [{"w": entry(0, 2)}, {"w": entry(2, 2)}, {"w": entry(4, 0)}, {"w": entry(4, 0)}]
+    assert assign_owners(one_d) == one_d
     assert same_layout(owned[2], tables[0]) and not same_layout(owned[2], tables[1])
 
 
 def test_divergent_replicas_are_named_with_the_ranks_on_each_side():
-    sums = [{"w": ([0, 2], 5), "b": ([0, 1, 2, 3], 1)}, {"b": ([0, 1, 2, 3], 1)},
-            {"w": ([0, 2], 6), "b": ([0, 1, 2, 3], 2)}, {"b": ([0, 1, 2, 3], 2)}]
+    sums = [{"w": ([0, 2], "x"), "b": ([0, 1, 2, 3], "y")}, {"b": ([0, 1, 2, 3], "y")},
+            {"w": ([0, 2], "z"), "b": ([0, 1, 2, 3], "v")}, {"b": ([0, 1, 2, 3], "v")}]
     assert replica_problems(sums) == ["'w' (rank 0 against rank 2)", "'b' (ranks 0, 1 against ranks 2, 3)"]
-    assert replica_problems([{"w": ([0, 1], 7)}, {"w": ([0, 1], 7)}]) == []
+    assert replica_problems([{"w": ([0, 1], "x")}, {"w": ([0, 1], "x")}]) == []
+
+
+def test_the_replica_checksum_sees_differences_that_a_sum_of_bits_misses():
+    from diffckpt.replicas import replica_sums
+
+    table = {"weight": {"replicas": [0, 1]}, "bias": {}}
+    a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    b.load_state_dict(a.state_dict())
+    with torch.no_grad():  # one element an ulp up, another an ulp down: the bits' sum is unchanged
+        bits = b.weight.view(torch.int32).reshape(-1)
+        bits[0] += 1
+        bits[1] -= 1
+    assert set(replica_sums(a, table)) == {"weight"}
+    assert replica_problems([replica_sums(a, table), replica_sums(b, table)]) == ["'weight' (rank 0 against rank 1)"]
 
 
 def test_a_strided_shard_that_is_not_fully_shards_over_tensor_parallel_is_refused():
