@@ -112,7 +112,7 @@ class StepCapture(Pausable):
         self.optimizers = list(optimizers)
         self.compressor = compressor
         # Gradients are taken without a copy when training lets them go after the step.
-        # ``skip``: parameters whose gradients are recorded by another rank (``sharding.not_owned``).
+        # ``skip``: parameters whose gradients are recorded by another rank (``replicas.not_owned``).
         self.leases = GradientLeases(self.optimizers, always_copy=copy_gradients or compressor is not None, skip=skip)
         self._events: list[dict[str, Any]] = []
         self._taken: list[Lease] = []
