@@ -9,6 +9,13 @@ loading them, and only then restores each generator to where the record left it.
 prepared with ``use_stateful_dataloader=True`` draws its order differently from the plain loader
 ``skip_first_batches`` builds, so it is fast-forwarded instead: the consumed batches are read
 again and dropped.
+
+On another number of processes the rest of the interrupted epoch is dealt over the new ones
+(:mod:`diffckpt.dealing`). A ``BatchSamplerShard`` deals whole batches of one global sampler, which
+draws the same order on any number of processes (rank 0's generator is broadcast), so the rest is
+that sampler's order without the consumed prefix, dealt by the new ``BatchSamplerShard``. A single
+process has no ``BatchSamplerShard`` and draws its order otherwise, so 1 → N and N → 1 cannot
+continue the epoch that way (a warning says so).
 """
 
 from __future__ import annotations
@@ -17,10 +24,13 @@ from collections.abc import Iterator
 from typing import Any
 
 from accelerate import Accelerator
+from accelerate.data_loader import BatchSamplerShard
+from torch.utils.data import BatchSampler
 
 from diffckpt.integration import (
     END,
     LoopCheckpointer,
+    Remainder,
     TrackedLoader,
     set_epoch_start_state,
     set_rng_state,
@@ -61,6 +71,29 @@ class TrackedDataLoader(TrackedLoader):
 
     def _position_extra(self) -> dict[str, Any]:
         return {"index": self.index}
+
+    def _shards(self) -> BatchSamplerShard | None:
+        """The batch sampler dealing one global sampler's batches over the processes, if any."""
+        batches = self.dataloader.batch_sampler
+        if isinstance(batches, BatchSamplerShard) and type(batches.batch_sampler) is BatchSampler:
+            return batches
+        return None
+
+    def _dealing(self, epoch: int) -> dict[str, Any] | None:
+        shards = self._shards()
+        return {"world": 1 if shards is None else shards.num_processes,
+                "samples": int(self.dataloader.total_batch_size),
+                "order": None if shards is None else {"kind": "global"}}
+
+    def _deal(self, recorded: dict[str, Any], skip: int) -> bool:
+        shards = self._shards()
+        if shards is None or recorded["order"] != {"kind": "global"}:
+            return False
+        batches = shards.batch_sampler
+        sampler = batches.sampler
+        batches.sampler = Remainder(sampler, skip)
+        self._undo = lambda: setattr(batches, "sampler", sampler)
+        return True
 
     def _rewind(self, resume: dict[str, Any]) -> int:
         dl, pos = self.dataloader, resume["position"]

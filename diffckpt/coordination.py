@@ -64,9 +64,11 @@ class Coordination:
         when the run was recorded on another number of processes."""
         if len(ranks) == self.world_size:
             return ranks[self.rank]
-        log.warning("diffckpt: the run was trained on %d processes and resumes on %d; each rank's data "
-                    "position and RNG depend on the process count and cannot be carried over, so rank "
-                    "0's are used (the resumed run will not be bit-exact)", len(ranks), self.world_size)
+        log.warning("diffckpt: the run was trained on %d processes and resumes on %d; each rank's RNG "
+                    "streams cannot be carried over to another process count, so rank 0's are used on "
+                    "every rank (the resumed run will not be bit-exact). Which data loaders continue "
+                    "the interrupted epoch over the new processes: docs/sharded.md, 'Data order on "
+                    "another number of processes'", len(ranks), self.world_size)
         return None
 
     def decided(self, fn: Callable[[], Any], what: str, send: Callable[[Any], Any] = lambda v: v,

@@ -22,6 +22,7 @@ from .dataorder import epoch_start_state
 from .driver import StepDriver, check_log_every, step_metrics
 from .engine import CheckpointEngine
 from .options import CheckpointOptions
+from .rng import set_rng_state
 from .session import FrameworkState
 
 __all__ = ["END", "LoopCheckpointer", "TrackedLoader"]
@@ -142,7 +143,12 @@ class TrackedLoader:
     trained is committed then, once the scheduler and anything else between the batches has run.
     A subclass reads its framework's epoch counter (:meth:`_counter`), names the
     ``torch.utils.data.DataLoader`` that draws the order (:meth:`_order_source`) and opens an
-    epoch (:meth:`_open`), which is where frameworks differ: how consumed batches are skipped.
+    epoch (:meth:`_first`), which is where frameworks differ: how consumed batches are skipped.
+
+    An epoch interrupted on one number of ranks and resumed on another continues with the rest of
+    its order dealt over the new ranks (:mod:`diffckpt.dealing`), where the subclass can deal it
+    (:meth:`_dealing`, :meth:`_deal`); elsewhere a warning says that the epoch's samples are not
+    seen exactly once.
     """
 
     def __init__(self, owner: LoopCheckpointer, dataloader: Any) -> None:
@@ -153,6 +159,8 @@ class TrackedLoader:
         self._iteration = 0
         self._consumed = 0
         self._epoch: dict[str, Any] | None = None
+        self._dealt: dict[str, Any] | None = None  # how the current epoch is dealt (dealing.py)
+        self._undo: Any = None  # puts the loader's own sampler back after a dealt epoch
 
     def __len__(self) -> int:
         return len(self.dataloader)
@@ -185,6 +193,19 @@ class TrackedLoader:
     def _closed_epoch(self, skipped: int) -> None:
         """An epoch ended (``skipped`` batches were skipped at its start)."""
 
+    def _dealing(self, epoch: int) -> dict[str, Any] | None:
+        """How this loader deals ``epoch`` now: ``{"world", "samples", "order"}`` (ranks dealt
+        over, global samples per batch, a recipe of :func:`diffckpt.dealing.distributed_dealing`
+        or another the subclass's :meth:`_deal` reads, or ``None``), or ``None`` if the loader
+        does not say."""
+        return None
+
+    def _deal(self, recorded: dict[str, Any], skip: int) -> bool:
+        """Make the epoch about to start yield only this rank's share of the recorded order's
+        rest after ``skip`` samples (set ``self._undo`` to put the loader back), or return
+        ``False`` if that order cannot be drawn here."""
+        return False
+
     # ------------------------------------------------------------------ shared
     @property
     def epoch(self) -> int:
@@ -197,23 +218,62 @@ class TrackedLoader:
         """Where the next batch comes from: inside an epoch, or at the start of the next one."""
         if self._active:
             return {**self._position_extra(), "iteration": self._iteration, "consumed": self._consumed,
-                    "epoch_start": self._epoch}
-        return {**self._position_extra(), "iteration": self._counter(), "consumed": 0,
-                "epoch_start": epoch_start_state(self._order_source())}
+                    "epoch_start": self._epoch, "dealing": self._dealt}
+        counter = self._counter()
+        return {**self._position_extra(), "iteration": counter, "consumed": 0,
+                "epoch_start": epoch_start_state(self._order_source()), "dealing": self._dealing_from(counter, 0)}
+
+    def _dealing_from(self, epoch: int, skip: int) -> dict[str, Any] | None:
+        live = self._dealing(epoch)
+        return None if live is None else {**live, "skip": skip}
+
+    def _dealt_skip(self, resume: dict[str, Any], consumed: int) -> int | None:
+        """The samples of the interrupted epoch's order consumed before this resume, where its
+        rest must be dealt anew (another number of ranks, or an epoch dealt so already); else
+        ``None``: the consumed batches are skipped as they are."""
+        recorded, live = resume["position"].get("dealing"), self._dealing(self._counter())
+        world = None if live is None else live["world"]
+        if recorded is None or (recorded["world"] == world and not recorded["skip"]):
+            return None
+        skip = int(recorded["skip"]) + consumed * int(recorded["samples"])
+        if self._deal(recorded, skip):
+            return skip
+        log.warning("diffckpt: the interrupted epoch was dealt over %d ranks and resumes over %s; this "
+                    "loader cannot draw that epoch's order again here (see docs/sharded.md, 'Data order "
+                    "on another number of processes'), so each rank skips %d batches of its own new order "
+                    "and some samples of this epoch may be seen twice or not at all",
+                    recorded["world"], "an unknown number" if world is None else world, consumed)
+        return None
 
     def __iter__(self) -> Iterator[Any]:
         self._active = False  # an abandoned epoch (break) is over once another one starts
+        self._put_back()
         self.owner._boundary()
         resume, self.resume = self.resume, None
         skip = 0 if resume is None else self._rewind(resume)
+        dealt = None if resume is None else self._dealt_skip(resume, skip)
+        counter = self._counter()
+        self._dealt = self._dealing_from(counter, dealt or 0)
+        if dealt is not None:
+            skip = 0
+            if self._dealt is not None:  # this epoch's order is the recorded one, whatever the loader's now
+                self._dealt["order"] = resume["position"]["dealing"]["order"]  # type: ignore[index]
         # The epoch's start as its order will be drawn from: recorded before anything draws.
-        self._iteration, self._consumed, self._epoch = self._counter(), skip, epoch_start_state(self._order_source())
+        self._iteration, self._consumed, self._epoch = counter, skip, epoch_start_state(self._order_source())
         self._active = True
         it, batch = self._first(resume, skip)
+        if dealt is not None:  # the order is drawn: the RNG continues from the record
+            set_rng_state(resume["rng"])  # type: ignore[index]
         while batch is not END:
             self._consumed += 1
             yield batch
             self.owner._boundary()
             batch = next(it, END)
         self._closed_epoch(skip)
+        self._put_back()
         self._active = False
+
+    def _put_back(self) -> None:
+        if self._undo is not None:
+            self._undo()
+            self._undo = None

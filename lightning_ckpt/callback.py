@@ -165,6 +165,8 @@ class DiffCheckpoint(ModelCheckpoint):
         self._own.apply_pending(where)
         if where == "batch_start":
             self._order.replay = None
+            if self._trainer is not None:
+                self._order.realign(self._trainer)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
@@ -220,7 +222,10 @@ class DiffCheckpoint(ModelCheckpoint):
 
     def _lightning_dict(self, state: dict[str, Any]) -> dict[str, Any]:
         """A replayed step's Lightning checkpoint, with this rank's RNG and position."""
-        return framework_dict(state, self.state_key, self.engine, self._order)
+        trainer = self._trainer
+        sampling = getattr(trainer.strategy, "distributed_sampler_kwargs", None) if trainer is not None else None
+        return framework_dict(state, self.state_key, self.engine, self._order,
+                              (sampling or {}).get("num_replicas", 1))
 
     def _load_live(self, url: str, step: int | None, module: torch.nn.Module,
                    optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:

@@ -8,16 +8,22 @@ records the RNG state and sampler epoch each rank drew its current order from an
 restore, draws the order from them again (without touching the global RNG). After a resume from
 an epoch end Lightning also passes every later epoch one too high (it counts the finished epoch
 twice); the tracker measures that at the first new epoch and corrects the epoch it draws with.
+
+On another number of processes (or in an epoch already dealt so) the restored order is not dealt
+as the wrapper deals it: the rest of the epoch's global order, after the samples every rank had
+consumed, is dealt over the new processes (:mod:`diffckpt.dealing`); :meth:`realign` then moves
+the epoch loop's batch counters to where that share ends the epoch.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 
-from diffckpt.integration import get_rng_state, set_rng_state
+from diffckpt.integration import deal, get_rng_state, global_order, set_rng_state
 
 __all__ = ["SamplerOrderTracker"]
 
@@ -31,10 +37,11 @@ class SamplerOrderTracker:
         self.captured: dict[str, Any] | None = None
         self.replay: dict[str, Any] | None = None
         self.offset = 0
+        self.dealt: int | None = None  # the samples of this rank's share of a dealt epoch, until realigned
         self._original: Any = None
 
     def install(self) -> None:
-        self.captured = self.replay = None
+        self.captured = self.replay = self.dealt = None
         self.offset = 0
         if SamplerOrderTracker._active is not None:
             SamplerOrderTracker._active.uninstall()
@@ -55,26 +62,61 @@ class SamplerOrderTracker:
                 tracker.replay = None
             lightning_epoch = sampler.epoch
             outside = get_rng_state()
-            if tracker.replay is None:
+            replay = tracker.replay
+            if replay is None:
                 sampler.set_epoch(lightning_epoch - tracker.offset)
-                tracker.captured = {"rng": outside, "epoch": sampler.epoch,
-                                    "generator": None if generator is None else generator.get_state()}
+                tracker.captured = {"rng": outside, "epoch": sampler.epoch, "world": sampler.num_replicas,
+                                    "skip": 0, "generator": None if generator is None else generator.get_state()}
             else:
-                set_rng_state(tracker.replay["rng"])
-                sampler.set_epoch(tracker.replay["epoch"])
-                if generator is not None and tracker.replay.get("generator") is not None:
-                    generator.set_state(tracker.replay["generator"])
+                set_rng_state(replay["rng"])
+                sampler.set_epoch(replay["epoch"])
+                if generator is not None and replay.get("generator") is not None:
+                    generator.set_state(replay["generator"])
             try:
-                return original(sampler)
+                if replay is None or replay.get("deal") is None:
+                    return original(sampler)
+                # The epoch's whole order, drawn as the wrapper draws it, and this rank's share of
+                # its rest (the wrapper's own __iter__ on a single-rank copy: not this patch).
+                share = deal(global_order(sampler, original)[replay["deal"]:], sampler.num_replicas,
+                             sampler.rank, sampler.drop_last)
+                tracker.dealt = len(share)
+                return iter(share)
             finally:
                 sampler.set_epoch(lightning_epoch)
-                if tracker.replay is not None:
+                if replay is not None:
                     set_rng_state(outside)
-                    tracker.captured = tracker.replay
+                    tracker.captured = {**replay, "world": sampler.num_replicas, "skip": replay.get("deal") or 0}
+                    tracker.captured.pop("deal", None)
 
         self._original = original
         DistributedSamplerWrapper.__iter__ = draw  # type: ignore[method-assign]
         SamplerOrderTracker._active = self
+
+    def realign(self, trainer: Any) -> None:
+        """At the first batch of a dealt epoch: move the epoch loop's and the data fetcher's batch
+        counters so that the epoch ends with this rank's share (Lightning ends it at its loader's
+        length, counted from the batches the interrupted epoch had consumed on its own number of
+        processes)."""
+        if self.dealt is None:
+            return
+        share, self.dealt = self.dealt, None
+        total = trainer.num_training_batches
+        loaders = trainer.fit_loop._combined_loader.flattened
+        # Lightning rebuilds a loader with a batch sampler not torch's own (a StatefulDataLoader's)
+        # around that batch sampler: its batch size is there.
+        batches_of = getattr(loaders[0], "batch_sampler", None) if len(loaders) == 1 else None
+        size = getattr(batches_of, "batch_size", None)
+        if total == float("inf") or not size:
+            return
+        batches = share // size if batches_of.drop_last else math.ceil(share / size)
+        progress = trainer.fit_loop.epoch_loop.batch_progress.current
+        shift = (total - batches + 1) - progress.ready  # this batch is the share's first
+        for counter in ("ready", "started", "processed", "completed"):
+            setattr(progress, counter, getattr(progress, counter) + shift)
+        # The fetcher started its count at the restored batches too, and ends the epoch by it.
+        fetcher = trainer.fit_loop._data_fetcher
+        if fetcher is not None:
+            fetcher.fetched += shift
 
     def uninstall(self) -> None:
         if self._original is not None:

@@ -9,6 +9,7 @@ recorded without the model and optimizer states, which replay rebuilds. Lightnin
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
@@ -18,6 +19,8 @@ import torch
 from lightning.pytorch.strategies import Strategy
 
 from diffckpt.integration import get_rng_state, set_rng_state
+
+log = logging.getLogger("diffckpt")
 
 if TYPE_CHECKING:
     from diffckpt.integration import CheckpointEngine
@@ -103,19 +106,38 @@ class StepState:
 
 
 def framework_dict(state: dict[str, Any], state_key: str, engine: CheckpointEngine,
-                   order: SamplerOrderTracker) -> dict[str, Any]:
+                   order: SamplerOrderTracker, data_world: int) -> dict[str, Any]:
     """The Lightning checkpoint of a replayed step, with this rank's RNG and position, without
     model and optimizer states (replay has put them into the live objects). ``state_key``: the
-    callback's key in the checkpoint's ``callbacks``; ``order``: its sampler order tracker."""
+    callback's key in the checkpoint's ``callbacks``; ``order``: its sampler order tracker;
+    ``data_world``: the live number of data-parallel ranks."""
     ckpt = dict(state)
     ours = ckpt.get("callbacks", {}).get(state_key, {})
-    mine = engine.own(ours["ranks"]) if ours.get("ranks") else None
+    ranks = ours.get("ranks")
+    mine = engine.own(ranks) if ranks else None
     if mine is not None:
         ckpt["callbacks"][state_key] = dict(ours, rng=mine["rng"])
         fit_loop = ckpt["loops"]["fit_loop"]
         fit_loop["state_dict"] = dict(fit_loop.get("state_dict", {}), **mine["loops"])
         if mine.get("sampler_rng") is not None:
             order.replay = mine["sampler_rng"]
+    # On another number of ranks, rank 0's order (every rank's epoch order is the same).
+    recorded = (mine or ranks[0]).get("sampler_rng") if ranks else None
+    if recorded is not None and "world" in recorded and (recorded["world"] != data_world or recorded["skip"]):
+        fit_state = ckpt["loops"]["fit_loop"].setdefault("state_dict", {})
+        loaders = fit_state.get("combined_loader") or [{}]
+        if len(loaders) != 1 or loaders[0].get("_iterator_finished") or data_world == 1:
+            if data_world == 1 and not loaders[0].get("_iterator_finished"):
+                log.warning("diffckpt: the interrupted epoch was dealt over %d ranks and resumes in one "
+                            "process, where Lightning deals no order: it is not continued sample for "
+                            "sample (see docs/lightning.md)", recorded["world"])
+            return ckpt
+        # The consumed prefix of the epoch's order, on the ranks that consumed it; the loader then
+        # starts this rank's share of the rest from its beginning.
+        yielded = int((loaders[0].get("_sampler_iter_state") or {}).get("samples_yielded", 0))
+        order.replay = {**recorded, "deal": int(recorded["skip"]) + yielded * int(recorded["world"])}
+        fit_state["combined_loader"] = [{**loaders[0], "_sampler_iter_state": {"samples_yielded": 0},
+                                         "_sampler_iter_yielded": 0, "_num_yielded": 0}]
     return ckpt
 
 

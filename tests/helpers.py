@@ -132,6 +132,19 @@ PACE_FROM = "DIFFCKPT_TEST_PACE_FROM"
 PACE_S = 0.3
 
 
+def log_to_stdout() -> None:
+    """diffckpt's INFO lines and warnings on stdout, with a script's STEP lines (for the tests that
+    read them); only in a script run as one, so that in-process runs leave pytest's logging alone."""
+    import logging
+
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    diff_log = logging.getLogger("diffckpt")
+    diff_log.addHandler(handler)
+    diff_log.setLevel(logging.INFO)
+    diff_log.propagate = False
+
+
 def print_step(step: int) -> None:
     """Print ``STEP <n>`` for the parent test. From the step ``DIFFCKPT_TEST_PACE_FROM`` names on
     (:func:`terminate_at_step` sets it), pause after it: the parent signals when it reads the line,
@@ -193,6 +206,19 @@ def run_training(script: str, args: list[str], prefix: list[str] | None = None, 
     else:
         assert rc == -9, f"training was not killed: {log[-2000:]}"
     return log
+
+
+def samples_seen(path: Any, ranks: int, epoch: int, steps: tuple[int, int] = (0, 10**9)) -> list[int]:
+    """The sample indices every rank logged (``--log-samples path``: ``epoch step id ...`` lines in
+    ``path.rank<r>``) for ``epoch`` at optimizer steps ``steps[0] < step <= steps[1]``, sorted."""
+    seen: list[int] = []
+    for r in range(ranks):
+        with open(f"{path}.rank{r}") as f:
+            for line in f:
+                e, step, *ids = map(int, line.split())
+                if e == epoch and steps[0] < step <= steps[1]:
+                    seen += ids
+    return sorted(seen)
 
 
 def free_port() -> int:

@@ -109,7 +109,8 @@ def test_the_integration_toolkit_is_pinned():
     assert sorted(integration.__all__) == sorted([
         "END", "HF_TRAINER_KEY", "NOT_GIVEN_BASE_EVERY_N_STEPS", "NOT_GIVEN_EVERY_N_STEPS", "NOT_GIVEN_WRITE_BATCH",
         "RUN_FILE", "Auto", "ByBytes", "CheckpointEngine", "CheckpointOptions", "Codec", "Committed", "FrameworkState",
-        "FsspecStorage", "GradientCompressor", "LoopCheckpointer", "NotGiven", "ReplayResult", "StepDriver",
+        "FsspecStorage", "GradientCompressor", "IndexSampler", "LoopCheckpointer", "NotGiven", "Remainder",
+        "ReplayResult", "StepDriver", "deal", "distributed_dealing", "drawn_order", "global_order",
         "StopSignal", "TrackedLoader", "check_codec", "check_log_every", "check_replayable", "epoch_start_state",
         "get_rng_state", "is_sharded", "merge_options", "open_storage", "require_extra", "set_epoch_start_state",
         "set_rng_state", "step_metrics"])

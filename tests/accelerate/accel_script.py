@@ -57,6 +57,7 @@ def main() -> None:
     p.add_argument("--width", type=int, default=32)
     p.add_argument("--auto", action="store_true", help='every_n_steps, write_batch, base_every_n_steps="auto"')
     p.add_argument("--stateful", action="store_true", help="use_stateful_dataloader=True")
+    p.add_argument("--log-samples", help="append 'epoch step id ...' per batch to PATH.rank<r>")
     p.add_argument("--compact", action="store_true",
                    help="no bases from training: background compaction every 4 steps, keep the last 2 bases")
     p.add_argument("--scaler", action="store_true",
@@ -69,7 +70,8 @@ def main() -> None:
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.accum, mixed_precision=args.mp,
                               dataloader_config=loaders)
     set_seed(0)
-    data = TensorDataset(torch.randn(args.samples, 16), torch.randint(0, 4, (args.samples,)))
+    data = TensorDataset(torch.randn(args.samples, 16), torch.randint(0, 4, (args.samples,)),
+                         torch.arange(args.samples))
     dl = DataLoader(data, batch_size=args.batch, shuffle=True)
     if args.scaler:
         accelerator.scaler, accelerator.native_amp = torch.amp.GradScaler("cpu", init_scale=2.0**30), True
@@ -113,8 +115,11 @@ def main() -> None:
         start_epoch = ckpt.epoch
     steps = ckpt.step if ckpt else 0
     try:
-        for _epoch in range(start_epoch, args.epochs):
-            for x, y in loader:
+        for epoch in range(start_epoch, args.epochs):
+            for x, y, ids in loader:
+                if args.log_samples:
+                    with open(f"{args.log_samples}.rank{accelerator.process_index}", "a") as f:
+                        f.write(" ".join(map(str, [epoch, steps + 1, *ids.tolist()])) + "\n")
                 with accelerator.accumulate(model):
                     loss = torch.nn.functional.cross_entropy(model(x), y)
                     accelerator.backward(loss)

@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 from accelerate import Accelerator
+from accelerate.data_loader import BatchSamplerShard
 from accelerate.state import AcceleratorState
 from accelerate.utils import (
     DDPCommunicationHookType,
@@ -17,12 +18,13 @@ from accelerate.utils import (
 )
 from helpers import run_script, torchrun
 from test_accelerate_training import SCRIPT
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
 
 from accelerate_ckpt import DiffCheckpointer, GradientCompression
 from diffckpt import CheckpointNotFoundError, DiffCkptError, UnsupportedConfigurationError
 from diffckpt.cli import main
 from diffckpt.codecs import TopK
+from diffckpt.integration import Remainder
 
 
 @pytest.fixture
@@ -222,3 +224,17 @@ def test_save_state_folders_keep_their_steps_until_total_limit_removes_them(acce
     assert [(k.step, k.why) for k in kept.saved()] == [(4, f"save_state({tmp_path}/checkpoints/checkpoint_1)")]
     collect_garbage(run, RetentionPolicy(keep_last_bases=1), dry_run=False)
     assert [b.step for b in RunStore(open_storage(str(run))).inventory().bases] == [4]
+
+
+def test_accelerate_deals_the_remainder_of_its_global_sampler_in_whole_batches():
+    """BatchSamplerShard over a Remainder: every rank's batches together are the sampler's order
+    after the skipped prefix (even_batches pads from the start of what is left)."""
+    base = list(RandomSampler(range(96)))
+    for world, skip in [(2, 24), (3, 48), (3, 0), (2, 90)]:
+        seen = []
+        for rank in range(world):
+            shard = BatchSamplerShard(BatchSampler(Remainder(base, skip), 4, drop_last=False), world, rank)
+            seen += [i for b in shard for i in b]
+        rest = base[skip:]
+        assert sorted(set(seen)) == sorted(rest)
+        assert len(seen) - len(rest) < 4 * world  # padding to whole rounds of batches only

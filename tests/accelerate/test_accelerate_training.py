@@ -24,6 +24,7 @@ from helpers import (
     reference_states,
     run_script,
     run_training,
+    samples_seen,
     terminate_at_step,
     torchrun,
 )
@@ -292,3 +293,23 @@ def test_untracked_loop_records_after_the_scheduler_steps(tmp_path):
         dumped = torch.load(dumps / f"step{step}.pt", weights_only=False)
         for key in ("model", "optimizer", "scheduler", "accelerator_step"):
             assert_bitwise_equal(dumped[key], restored[key], f"step {step} {key}")
+
+
+def test_epoch_continues_over_another_number_of_processes_every_sample_once(tmp_path):
+    """2 processes stop 3 steps into epoch 1, 3 resume it and stop 2 steps later, 2 finish it:
+    counting the samples each rank trained on, epoch 1 saw every sample exactly once (96 samples in
+    global batches of 4 × processes, dealt evenly: no padding), and the next epoch is whole."""
+    run, samples = tmp_path / "run", tmp_path / "samples"
+    common = ["--dirpath", str(run), "--batch", "4", "--epochs", "3", "--log-samples"]
+    run_training(SCRIPT, [str(tmp_path / "a.pt"), "--stop-at", "15", *common, f"{samples}.a"], torchrun())
+    log_b = run_training(SCRIPT, [str(tmp_path / "b.pt"), "--resume", "last", "--stop-at", "17", *common,
+                                  f"{samples}.b"], torchrun(processes=3))
+    log_c = run_training(SCRIPT, [str(tmp_path / "c.pt"), "--resume", "last", *common, f"{samples}.c"], torchrun())
+    assert "RESUMED 15 rank 0" in log_b and "RESUMED 17 rank 0" in log_c
+    everything = list(range(96))
+    assert samples_seen(f"{samples}.a", 2, 0) == everything  # 12 steps of 2 × 4
+    b = samples_seen(f"{samples}.b", 3, 1, (15, 17))
+    epoch1 = samples_seen(f"{samples}.a", 2, 1, (12, 15)) + b + samples_seen(f"{samples}.c", 2, 1)
+    assert sorted(epoch1) == everything and len(b) == 24  # 2 steps of 3 × 4
+    assert samples_seen(f"{samples}.c", 2, 2) == everything
+    assert "trained on 2 processes and resumes on 3" in log_b and "cannot draw" not in log_b + log_c

@@ -6,6 +6,10 @@ saves every rank's final model, optimizer, scheduler and RNG state to ``out`` (`
 With ``--devices 2`` Fabric's launcher starts the second process itself (DDP over gloo).
 
     python fabric_script.py OUT [--dirpath RUN] [--resume last] [--devices 2] [--accum 2] [--clip 1.0]
+                                [--batch 8] [--stop-at STEP] [--log-samples PATH]
+
+``--log-samples PATH`` appends ``epoch step id ...`` to ``PATH.rank<r>`` for each batch trained
+(the samples' indices), for the tests that count samples.
 """
 
 from __future__ import annotations
@@ -42,18 +46,21 @@ def main() -> None:
     p.add_argument("--every", type=int, default=1)
     p.add_argument("--write-batch", type=int, default=2)
     p.add_argument("--base-every", type=int, default=10)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--stop-at", type=int, help="close and stop after this many optimizer steps")
+    p.add_argument("--log-samples")
     args = p.parse_args()
 
     strategy = "ddp" if args.devices > 1 else "auto"
     fabric = Fabric(accelerator="cpu", devices=args.devices, strategy=strategy)
     fabric.launch()
     fabric.seed_everything(0)
-    data = TensorDataset(torch.randn(96, 16), torch.randint(0, 4, (96,)))
+    data = TensorDataset(torch.randn(96, 16), torch.randint(0, 4, (96,)), torch.arange(96))
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.05 * s))
     model, opt = fabric.setup(model, opt)
-    loader = fabric.setup_dataloaders(DataLoader(data, batch_size=8, shuffle=True))
+    loader = fabric.setup_dataloaders(DataLoader(data, batch_size=args.batch, shuffle=True))
 
     ckpt = None
     start_epoch = 0
@@ -71,8 +78,10 @@ def main() -> None:
         start_epoch = ckpt.epoch
     steps = ckpt.step if ckpt else 0
     batches = 0
-    for _epoch in range(start_epoch, args.epochs):
-        for x, y in loader:
+    for epoch in range(start_epoch, args.epochs):
+        for x, y, ids in loader:
+            if args.log_samples:
+                log_samples(args.log_samples, fabric.global_rank, epoch, steps + 1, ids)
             batches += 1
             last = batches % args.accum == 0
             with fabric.no_backward_sync(model, enabled=not last):
@@ -87,6 +96,10 @@ def main() -> None:
             steps += 1
             if fabric.is_global_zero:
                 print_step(steps)
+            if args.stop_at == steps:
+                break
+        if args.stop_at == steps:
+            break
     if ckpt is not None:
         ckpt.close()
     rank = fabric.global_rank
@@ -96,6 +109,11 @@ def main() -> None:
     torch.save(state, args.out if rank == 0 else f"{args.out}.rank{rank}")
     fabric.barrier()
     print("DONE", flush=True)
+
+
+def log_samples(path: str, rank: int, epoch: int, step: int, ids: torch.Tensor) -> None:
+    with open(f"{path}.rank{rank}", "a") as f:
+        f.write(" ".join(map(str, [epoch, step, *ids.tolist()])) + "\n")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from helpers import (
     load_ranks,
     reference_states,
     run_training,
+    samples_seen,
     terminate_at_step,
 )
 
@@ -104,3 +105,32 @@ def test_example_resumes_where_it_stopped(tmp_path):
     assert "durable up to step 32 in" in run_training("examples/fabric_train.py", [run, "--epochs", "1"])
     log = run_training("examples/fabric_train.py", [run, "--epochs", "2"])
     assert "starting at step 32" in log and "durable up to step 64 in" in log, log[-2000:]
+
+
+def test_epoch_continues_over_another_number_of_processes_every_sample_once(tmp_path):
+    """2 processes stop 3 steps into epoch 1, 3 resume it and stop 2 steps later, 1 resumes it and
+    stops 3 steps later, 1 finishes it: counting the samples each rank trained on, epoch 1 saw
+    every sample exactly once (96 samples, dealt evenly: no padding), and the next epoch is whole
+    on the new process count."""
+    run, samples = tmp_path / "run", tmp_path / "samples"
+    common = ["--dirpath", str(run), "--batch", "4", "--log-samples"]
+    env = lambda: {"MASTER_PORT": str(free_port())}  # noqa: E731
+    run_training(SCRIPT, [str(tmp_path / "a.pt"), "--devices", "2", "--stop-at", "15", *common, f"{samples}.a"],
+                 env=env())
+    log_b = run_training(SCRIPT, [str(tmp_path / "b.pt"), "--devices", "3", "--resume", "last", "--stop-at", "17",
+                                  *common, f"{samples}.b"], env=env())
+    log_c = run_training(SCRIPT, [str(tmp_path / "c.pt"), "--resume", "last", "--stop-at", "20", *common,
+                                  f"{samples}.c"], env=env())
+    # Interrupted again in the epoch dealt anew, and resumed on the same (one) process.
+    log_d = run_training(SCRIPT, [str(tmp_path / "d.pt"), "--resume", "last", *common, f"{samples}.d"], env=env())
+    assert "RESUMED 15 rank 0" in log_b and "RESUMED 17 rank 0" in log_c and "RESUMED 20 rank 0" in log_d
+    everything = list(range(96))
+    assert samples_seen(f"{samples}.a", 2, 0) == everything  # 12 steps of 2 × 4
+    epoch1 = (samples_seen(f"{samples}.a", 2, 1, (12, 15)) + samples_seen(f"{samples}.b", 3, 1, (15, 17))
+              + samples_seen(f"{samples}.c", 1, 1) + samples_seen(f"{samples}.d", 1, 1))
+    assert sorted(epoch1) == everything
+    assert len(samples_seen(f"{samples}.b", 3, 1, (15, 17))) == 24  # 2 steps of 3 × 4
+    assert len(samples_seen(f"{samples}.c", 1, 1)) == 12  # 3 steps of 4
+    assert samples_seen(f"{samples}.d", 1, 2) == everything
+    assert "trained on 2 processes and resumes on 3" in log_b
+    assert "cannot draw" not in log_b + log_c + log_d

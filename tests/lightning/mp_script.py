@@ -18,7 +18,6 @@ collective) to ``OUT.full``.
 from __future__ import annotations
 
 import argparse
-import logging
 import random
 import sys
 
@@ -175,13 +174,9 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
-    diff_log = logging.getLogger("diffckpt")
-    diff_log.addHandler(handler)
-    diff_log.setLevel(logging.INFO)
-    diff_log.propagate = False
-    from helpers import finish_process
+    from helpers import finish_process, log_to_stdout
+
+    log_to_stdout()
 
     main(sys.argv[1:])
     finish_process()

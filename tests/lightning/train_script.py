@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import random
 import signal
 import sys
@@ -281,13 +280,9 @@ if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.default_int_handler)
     # diffckpt's INFO lines (restored step, durable step at close) and its warnings, on stdout with
     # the STEP lines; only when run as a script, so that in-process runs leave pytest's logging alone.
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
-    diff_log = logging.getLogger("diffckpt")
-    diff_log.addHandler(handler)
-    diff_log.setLevel(logging.INFO)
-    diff_log.propagate = False
-    from helpers import finish_process
+    from helpers import finish_process, log_to_stdout
+
+    log_to_stdout()
 
     main(sys.argv[1:])
     finish_process()

@@ -13,11 +13,13 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from engine_runs import record_span
 from helpers import assert_bitwise_equal, run_script
 
 import diffckpt
@@ -134,3 +136,36 @@ def test_a_divergent_replica_is_named_and_its_base_not_written(tmp_path):
     assert all(sorted(p.name for p in stream(root, r).glob("bases/*")) == ["000000000000.g000001",
                                                                            "000000000004.g000001"]
                for r in range(4))
+
+
+def test_a_damaged_owner_record_sends_every_rank_back_a_step(references, tmp_path):
+    """HSDP: rank 0 owns the blocks rank 2 replicates. A flipped byte in rank 0's base at the last
+    step and one in its last record (neither visible in any listing) make rank 0 stop a step early;
+    every rank goes back there (rank 2 takes its replicated blocks from rank 0's stream at that
+    step), and training continues bitwise. A missing owner base and segment bound the durable step
+    from the listings alone."""
+    root = tmp_path / "run"
+    train(tmp_path / "a", STEPS, *MESH["hsdp"], "--root", str(root))
+    other = tmp_path / "run2"
+    shutil.copytree(root, other)
+    seg = max(stream(root, 0).glob("diffs/*.seg"))
+    data = bytearray(seg.read_bytes())
+    offset, length = record_span(bytes(data), STEPS)
+    data[offset + length // 2] ^= 0xFF
+    seg.write_bytes(bytes(data))
+    base = next(stream(root, 0).glob(f"bases/*{STEPS}*/state.safetensors"))
+    data = bytearray(base.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    base.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match=f"restoring step {STEPS - 1}"):
+        assert diffckpt.load_state(root)["step"] == STEPS - 1
+    log = train(tmp_path / "b", STEPS, *MESH["hsdp"], "--root", str(root), "--resume")
+    assert f"STEP {STEPS}" in log and f"STEP {STEPS - 1}\n" not in log
+    for rank in range(4):
+        assert_bitwise_equal(load(references["hsdp"] / f"rank{rank}.pt"), load(tmp_path / "b" / f"rank{rank}.pt"),
+                             f"rank {rank}")
+    # Rank 0's base at the last step and its last segment (steps 7 and 8) gone: 6 is the newest
+    # step every rank holds, and its replicas' blocks come from rank 0's stream there.
+    shutil.rmtree(next(stream(other, 0).glob(f"bases/*{STEPS}*")))
+    max(stream(other, 0).glob("diffs/*.seg")).unlink()
+    assert diffckpt.load_state(other)["step"] == STEPS - 2
