@@ -81,8 +81,11 @@ class TrackedDataLoader(TrackedLoader):
 
     def _dealing(self, epoch: int) -> dict[str, Any] | None:
         shards = self._shards()
-        return {"world": 1 if shards is None else shards.num_processes,
-                "samples": int(self.dataloader.total_batch_size),
+        try:
+            samples = int(self.dataloader.total_batch_size)
+        except (AttributeError, TypeError):  # a batch sampler of the user's, without a batch size
+            return None
+        return {"world": self._accelerator.num_processes, "samples": samples,
                 "order": None if shards is None else {"kind": "global"}}
 
     def _deal(self, recorded: dict[str, Any], skip: int) -> bool:

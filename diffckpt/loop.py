@@ -236,6 +236,8 @@ class TrackedLoader:
         if recorded is None or (recorded["world"] == world and not recorded["skip"]):
             return None
         skip = int(recorded["skip"]) + consumed * int(recorded["samples"])
+        if not skip:  # nothing of the epoch consumed: the loader deals all of it over the new ranks
+            return None
         if self._deal(recorded, skip):
             return skip
         log.warning("diffckpt: the interrupted epoch was dealt over %d ranks and resumes over %s; this "
@@ -261,16 +263,20 @@ class TrackedLoader:
         # The epoch's start as its order will be drawn from: recorded before anything draws.
         self._iteration, self._consumed, self._epoch = counter, skip, epoch_start_state(self._order_source())
         self._active = True
-        it, batch = self._first(resume, skip)
-        if dealt is not None:  # the order is drawn: the RNG continues from the record
-            set_rng_state(resume["rng"])  # type: ignore[index]
-        while batch is not END:
-            self._consumed += 1
-            yield batch
-            self.owner._boundary()
-            batch = next(it, END)
-        self._closed_epoch(skip)
-        self._put_back()
+        undo = self._undo  # this epoch's; a later epoch may have installed its own by the time this one is closed
+        try:
+            it, batch = self._first(resume, skip)
+            if dealt is not None:  # the order is drawn: the RNG continues from the record
+                set_rng_state(resume["rng"])  # type: ignore[index]
+            while batch is not END:
+                self._consumed += 1
+                yield batch
+                self.owner._boundary()
+                batch = next(it, END)
+            self._closed_epoch(skip)
+        finally:  # also when the loop stops early (an exception, a break): the loader's own sampler back
+            if undo is not None and self._undo is undo:
+                self._put_back()
         self._active = False
 
     def _put_back(self) -> None:

@@ -137,6 +137,7 @@ class DiffCheckpoint(ModelCheckpoint):
             self._compression.setup(trainer, pl_module, stage)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._order.realign(trainer)  # resumed in a dealt epoch: before the epoch loop restores its counters
         model_parallel.check_sharded(trainer, pl_module)
         if self._compression is not None:
             self._compression.on_train_start(trainer, pl_module)
@@ -165,8 +166,6 @@ class DiffCheckpoint(ModelCheckpoint):
         self._own.apply_pending(where)
         if where == "batch_start":
             self._order.replay = None
-            if self._trainer is not None:
-                self._order.realign(self._trainer)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:

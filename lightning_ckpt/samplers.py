@@ -17,6 +17,7 @@ the epoch loop's batch counters to where that share ends the epoch.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -26,6 +27,8 @@ from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from diffckpt.integration import deal, get_rng_state, global_order, set_rng_state
 
 __all__ = ["SamplerOrderTracker"]
+
+log = logging.getLogger("diffckpt")
 
 
 class SamplerOrderTracker:
@@ -63,6 +66,7 @@ class SamplerOrderTracker:
             lightning_epoch = sampler.epoch
             outside = get_rng_state()
             replay = tracker.replay
+            tracker.dealt = None
             if replay is None:
                 sampler.set_epoch(lightning_epoch - tracker.offset)
                 tracker.captured = {"rng": outside, "epoch": sampler.epoch, "world": sampler.num_replicas,
@@ -92,11 +96,43 @@ class SamplerOrderTracker:
         DistributedSamplerWrapper.__iter__ = draw  # type: ignore[method-assign]
         SamplerOrderTracker._active = self
 
+    def deal_rest(self, fit_state: dict[str, Any], recorded: dict[str, Any] | None, recorded_world: int,
+                  data_world: int) -> None:
+        """For a resume mid-epoch (the fit loop's checkpointed ``fit_state``, ``recorded``: the
+        order state of the step, ``recorded_world`` processes recorded it): where the epoch was
+        dealt over another number of ranks than ``data_world`` (or was dealt anew already), arm
+        :attr:`replay` to deal the rest of its order, and drop the loader's own position (the
+        share starts at its beginning). Elsewhere nothing changes."""
+        loaders = fit_state.get("combined_loader") or []
+        yielded = _samples_yielded(loaders)
+        if recorded is None or "world" not in recorded:  # an older record, or no wrapper drew the order
+            if recorded_world != data_world and yielded:
+                log.warning("diffckpt: this epoch's order was not drawn by a DistributedSamplerWrapper, so it "
+                            "is not continued sample for sample over %d ranks (see docs/lightning.md)", data_world)
+            return
+        if recorded["world"] == data_world and not recorded["skip"]:
+            return  # the same dealing: the loader's own position continues it exactly
+        if yielded is None or data_world == 1:
+            if yielded is None or yielded or recorded["skip"]:
+                log.warning("diffckpt: the interrupted epoch was dealt over %d ranks and resumes over %d; %s, "
+                            "so it is not continued sample for sample (see docs/lightning.md)", recorded["world"],
+                            data_world, "Lightning deals no order in one process" if yielded is not None else
+                            "its loader's state does not say how many samples it yielded (one StatefulDataLoader "
+                            "does)")
+            return
+        skip = int(recorded["skip"]) + yielded * int(recorded["world"])
+        if skip:
+            self.replay = {**recorded, "deal": skip}
+            fit_state["combined_loader"] = []
+
     def realign(self, trainer: Any) -> None:
-        """At the first batch of a dealt epoch: move the epoch loop's and the data fetcher's batch
-        counters so that the epoch ends with this rank's share (Lightning ends it at its loader's
-        length, counted from the batches the interrupted epoch had consumed on its own number of
-        processes)."""
+        """At the start of training, when it resumes in a dealt epoch (the loader has drawn its
+        order, the epoch loop has not restored its counters yet; Lightning calls no epoch-start
+        hook in an epoch resumed mid-way): move the epoch loop's batch counters so that the epoch
+        ends with this rank's share. Lightning ends an epoch at its loader's length, counting from
+        the batches already done, which were counted on the interrupted run's number of
+        processes; the data fetcher starts its own count from the same counters. Under gradient
+        accumulation the epoch's one short window thus comes first rather than last."""
         if self.dealt is None:
             return
         share, self.dealt = self.dealt, None
@@ -106,17 +142,17 @@ class SamplerOrderTracker:
         # around that batch sampler: its batch size is there.
         batches_of = getattr(loaders[0], "batch_sampler", None) if len(loaders) == 1 else None
         size = getattr(batches_of, "batch_size", None)
-        if total == float("inf") or not size:
+        if total == float("inf") or not size or not share:
             return
         batches = share // size if batches_of.drop_last else math.ceil(share / size)
-        progress = trainer.fit_loop.epoch_loop.batch_progress.current
-        shift = (total - batches + 1) - progress.ready  # this batch is the share's first
+        loop = trainer.fit_loop.epoch_loop
+        progress = loop.batch_progress.current
+        # The epoch loop's reset adds the batch a step ended on (when recorded at its end), then
+        # starts every counter at ``completed``.
+        restored = progress.completed + (1 if loop.restarted_on_train_batch_end else 0)
+        shift = (total - batches) - restored
         for counter in ("ready", "started", "processed", "completed"):
             setattr(progress, counter, getattr(progress, counter) + shift)
-        # The fetcher started its count at the restored batches too, and ends the epoch by it.
-        fetcher = trainer.fit_loop._data_fetcher
-        if fetcher is not None:
-            fetcher.fetched += shift
 
     def uninstall(self) -> None:
         if self._original is not None:
@@ -124,3 +160,17 @@ class SamplerOrderTracker:
             self._original = None
         if SamplerOrderTracker._active is self:
             SamplerOrderTracker._active = None
+
+
+def _samples_yielded(loaders: list[dict[str, Any]]) -> int | None:
+    """The samples one ``StatefulDataLoader`` state says its sampler yielded this epoch (with
+    worker processes: its main snapshot, taken at every batch by default), or ``None``."""
+    if len(loaders) != 1:
+        return None
+    state = loaders[0]
+    if "_snapshot" in state:
+        if state.get("_steps_since_snapshot"):  # batches since the snapshot: not counted in samples
+            return None
+        state = state["_snapshot"].get("_main_snapshot", {})
+    yielded = (state.get("_sampler_iter_state") or {}).get("samples_yielded")
+    return None if yielded is None else int(yielded)

@@ -9,7 +9,6 @@ recorded without the model and optimizer states, which replay rebuilds. Lightnin
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
@@ -19,8 +18,6 @@ import torch
 from lightning.pytorch.strategies import Strategy
 
 from diffckpt.integration import get_rng_state, set_rng_state
-
-log = logging.getLogger("diffckpt")
 
 if TYPE_CHECKING:
     from diffckpt.integration import CheckpointEngine
@@ -121,23 +118,10 @@ def framework_dict(state: dict[str, Any], state_key: str, engine: CheckpointEngi
         fit_loop["state_dict"] = dict(fit_loop.get("state_dict", {}), **mine["loops"])
         if mine.get("sampler_rng") is not None:
             order.replay = mine["sampler_rng"]
-    # On another number of ranks, rank 0's order (every rank's epoch order is the same).
-    recorded = (mine or ranks[0]).get("sampler_rng") if ranks else None
-    if recorded is not None and "world" in recorded and (recorded["world"] != data_world or recorded["skip"]):
-        fit_state = ckpt["loops"]["fit_loop"].setdefault("state_dict", {})
-        loaders = fit_state.get("combined_loader") or [{}]
-        if len(loaders) != 1 or loaders[0].get("_iterator_finished") or data_world == 1:
-            if data_world == 1 and not loaders[0].get("_iterator_finished"):
-                log.warning("diffckpt: the interrupted epoch was dealt over %d ranks and resumes in one "
-                            "process, where Lightning deals no order: it is not continued sample for "
-                            "sample (see docs/lightning.md)", recorded["world"])
-            return ckpt
-        # The consumed prefix of the epoch's order, on the ranks that consumed it; the loader then
-        # starts this rank's share of the rest from its beginning.
-        yielded = int((loaders[0].get("_sampler_iter_state") or {}).get("samples_yielded", 0))
-        order.replay = {**recorded, "deal": int(recorded["skip"]) + yielded * int(recorded["world"])}
-        fit_state["combined_loader"] = [{**loaders[0], "_sampler_iter_state": {"samples_yielded": 0},
-                                         "_sampler_iter_yielded": 0, "_num_yielded": 0}]
+    if ranks and ours.get("restore_at") != "epoch_start":  # mid-epoch: on another number of ranks, deal its rest
+        # rank 0's order where the process count changed (every rank's epoch order is the same)
+        order.deal_rest(ckpt["loops"]["fit_loop"].setdefault("state_dict", {}),
+                        (mine or ranks[0]).get("sampler_rng"), len(ranks), data_world)
     return ckpt
 
 

@@ -175,6 +175,33 @@ def test_close_makes_the_last_step_restorable_with_every_n_steps(accelerator_fac
     again.close()
 
 
+def test_a_loader_with_a_batch_sampler_of_its_own_is_tracked_and_restored(accelerator_factory, tmp_path):
+    """A batch sampler without a batch size: positions record no dealing (nothing to count samples
+    by), and a resume on the same number of processes skips the consumed batches as always."""
+
+    class Pairs:  # index pairs; no batch_size attribute
+        def __iter__(self):
+            return iter([[0, 1], [2, 3], [4, 5], [6, 7]])
+
+        def __len__(self):
+            return 4
+
+    acc = accelerator_factory()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dl = DataLoader(TensorDataset(torch.randn(8, 4), torch.randn(8, 2)), batch_sampler=Pairs())
+    model, opt, dl = acc.prepare(model, opt, dl)
+    with DiffCheckpointer(acc, tmp_path / "run", write_batch=1) as ckpt:
+        _train(acc, model, opt, ckpt.dataloader(dl), 2)
+        assert ckpt.dataloader(dl).position()["dealing"] is None
+    again = DiffCheckpointer(acc, tmp_path / "run")
+    assert again.restore("last") == 2
+    rest = [x for x, _ in again.dataloader(dl)]
+    assert len(rest) == 2
+    again.close()
+
+
 def test_load_state_of_an_automatically_named_save_continues_the_numbering(accelerator_factory, tmp_path):
     """save_state writes checkpoints/checkpoint_0 without the weights; load_state replays them and
     sets the save counter, so the next automatic save_state is checkpoint_1."""

@@ -1,12 +1,12 @@
 """A Lightning DDP run that logs the samples each rank trains on, for the data order tests.
 
-    order_script.py RUN SAMPLES [--devices N] [--stop-at STEP] [--resume]
+    order_script.py RUN SAMPLES [--devices N] [--stop-at STEP] [--resume] [--workers W]
 
 96 samples in batches of 4 from a shuffled ``StatefulDataLoader`` (Lightning deals it over the
 ranks through ``DistributedSamplerWrapper``), 3 epochs, one optimizer step per batch, checkpointed
 by ``DiffCheckpoint`` into RUN. Each rank appends ``epoch step id ...`` to ``SAMPLES.rank<r>``
 for every batch it trains; ``--stop-at`` stops the fit after that optimizer step (mid-epoch);
-``--resume`` fits with ``ckpt_path="last"``.
+``--resume`` fits with ``ckpt_path="last"``; ``--workers`` loads with worker processes.
 """
 
 from __future__ import annotations
@@ -48,13 +48,15 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--devices", type=int, default=2)
     ap.add_argument("--stop-at", type=int)
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--workers", type=int, default=0)
     args = ap.parse_args(argv)
 
     from lightning_ckpt import DiffCheckpoint, DiffCheckpointIO
 
     L.seed_everything(7, verbose=False)
     data = list(zip(torch.randn(96, 4, generator=torch.Generator().manual_seed(1)), torch.arange(96)))
-    loader = StatefulDataLoader(data, batch_size=4, shuffle=True)
+    loader = StatefulDataLoader(data, batch_size=4, shuffle=True, num_workers=args.workers,
+                                persistent_workers=args.workers > 0)
     trainer = L.Trainer(max_epochs=3, accelerator="cpu", devices=args.devices,
                         strategy="ddp" if args.devices > 1 else "auto", logger=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
