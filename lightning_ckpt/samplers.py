@@ -96,17 +96,17 @@ class SamplerOrderTracker:
         DistributedSamplerWrapper.__iter__ = draw  # type: ignore[method-assign]
         SamplerOrderTracker._active = self
 
-    def deal_rest(self, fit_state: dict[str, Any], recorded: dict[str, Any] | None, recorded_world: int,
+    def deal_rest(self, fit_state: dict[str, Any], recorded: dict[str, Any] | None, other_count: bool,
                   data_world: int) -> None:
-        """For a resume mid-epoch (the fit loop's checkpointed ``fit_state``, ``recorded``: the
-        order state of the step, ``recorded_world`` processes recorded it): where the epoch was
-        dealt over another number of ranks than ``data_world`` (or was dealt anew already), arm
-        :attr:`replay` to deal the rest of its order, and drop the loader's own position (the
-        share starts at its beginning). Elsewhere nothing changes."""
+        """For a resume mid-epoch (the fit loop's checkpointed ``fit_state``; ``recorded``: the
+        step's order state; ``other_count``: recorded on another number of processes): where the
+        epoch was dealt over another number of ranks than ``data_world`` (or was dealt anew
+        already), arm :attr:`replay` to deal the rest of its order, and drop the loader's own
+        position (the share starts at its beginning). Elsewhere nothing changes."""
         loaders = fit_state.get("combined_loader") or []
         yielded = _samples_yielded(loaders)
         if recorded is None or "world" not in recorded:  # an older record, or no wrapper drew the order
-            if recorded_world != data_world and yielded:
+            if other_count and yielded:
                 log.warning("diffckpt: this epoch's order was not drawn by a DistributedSamplerWrapper, so it "
                             "is not continued sample for sample over %d ranks (see docs/lightning.md)", data_world)
             return
@@ -145,12 +145,14 @@ class SamplerOrderTracker:
         if total == float("inf") or not size or not share:
             return
         batches = share // size if batches_of.drop_last else math.ceil(share / size)
+        if not batches:  # less than one batch, dropped: the loader ends the epoch at once
+            return
         loop = trainer.fit_loop.epoch_loop
         progress = loop.batch_progress.current
         # The epoch loop's reset adds the batch a step ended on (when recorded at its end), then
         # starts every counter at ``completed``.
         restored = progress.completed + (1 if loop.restarted_on_train_batch_end else 0)
-        shift = (total - batches) - restored
+        shift = max(total - batches, 0) - restored  # a limit_train_batches below the share ends it early
         for counter in ("ready", "started", "processed", "completed"):
             setattr(progress, counter, getattr(progress, counter) + shift)
 

@@ -121,7 +121,7 @@ def framework_dict(state: dict[str, Any], state_key: str, engine: CheckpointEngi
     if ranks and ours.get("restore_at") != "epoch_start":  # mid-epoch: on another number of ranks, deal its rest
         # rank 0's order where the process count changed (every rank's epoch order is the same)
         order.deal_rest(ckpt["loops"]["fit_loop"].setdefault("state_dict", {}),
-                        (mine or ranks[0]).get("sampler_rng"), len(ranks), data_world)
+                        (mine or ranks[0]).get("sampler_rng"), mine is None, data_world)
     return ckpt
 
 
