@@ -84,16 +84,18 @@ def make(sharded: bool, bf16: bool = False, layout: str = "fsdp", mesh_shape: tu
             from torch.distributed.fsdp import MixedPrecisionPolicy
 
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
-        if layout == "tp":  # FSDP x TP as torchtitan and Lightning do: the MLP over "tp", then FSDP over "dp"
+        if layout in ("tp", "hsdp-tp"):  # FSDP x TP as torchtitan and Lightning do: the MLP over "tp", then FSDP
             from torch.distributed.tensor.parallel import (
                 ColwiseParallel,
                 RowwiseParallel,
                 parallelize_module,
             )
 
-            world = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp"))
+            # 3-D (HSDP x TP): FSDP over the (replicate, shard) sub-mesh, as torchtitan's dp_replicate x dp_shard
+            dims = ("dp", "tp") if layout == "tp" else ("replicate", "shard", "tp")
+            world = init_device_mesh("cpu", mesh_shape, mesh_dim_names=dims)
             parallelize_module(m, world["tp"], {"0": ColwiseParallel(), "3": RowwiseParallel()})
-            mesh = world["dp"]
+            mesh = world[dims[:-1]] if len(dims) == 3 else world["dp"]
         elif layout == "hsdp":  # fully_shard over a (replicate, shard) mesh
             mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
         else:
@@ -108,7 +110,7 @@ def make(sharded: bool, bf16: bool = False, layout: str = "fsdp", mesh_shape: tu
 
 def data_rank(rank: int, args: argparse.Namespace) -> int:
     """Whose batches a rank trains on: tensor-parallel ranks of one data-parallel rank share them."""
-    return rank // args.mesh[1] if args.layout == "tp" else rank
+    return rank // args.mesh[-1] if args.layout in ("tp", "hsdp-tp") else rank
 
 
 def clip(m: torch.nn.Module, max_norm: float) -> None:
@@ -211,11 +213,11 @@ def main() -> None:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--unsharded", action="store_true", help="a plain module, no fully_shard (with --world 1)")
-    p.add_argument("--layout", choices=("fsdp", "hsdp", "tp"), default="fsdp",
+    p.add_argument("--layout", choices=("fsdp", "hsdp", "tp", "hsdp-tp"), default="fsdp",
                    help="fsdp: a 1-D mesh; hsdp: fully_shard over --mesh (replicate, shard); tp: the MLP "
                         "tensor-parallel over --mesh's second dim, then fully_shard over its first")
     p.add_argument("--wide", action="store_true", help="the 2-D layouts' model, on a 1-D mesh or unsharded")
-    p.add_argument("--mesh", type=int, nargs=2, default=(1, 1), metavar=("DIM0", "DIM1"))
+    p.add_argument("--mesh", type=int, nargs="+", default=(1, 1), help="the mesh's shape (3 dims for hsdp-tp)")
     p.add_argument("--diverge", type=int, default=-1, help="the last rank changes its first piece at this step")
     p.add_argument("--full-at", type=int, nargs="*", default=[])
     p.add_argument("--dump-restored", action="store_true")
